@@ -1,0 +1,27 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first (idempotent).
+PY := .venv/bin/python
+STAMP := .venv/.setup-stamp
+
+.PHONY: setup demo test test-fast adapters bench clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup_env.sh requirements/cpu.lock pyproject.toml
+	bash scripts/setup_env.sh
+
+demo: setup
+	$(PY) -m eval.demo
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+# Unit and integration tests only (no server start).
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not e2e"
+
+# Retrain the bundled adapters (minutes on 2 cores); the results are committed in assets/adapters/.
+adapters: setup
+	$(PY) tools/train_adapters.py
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis

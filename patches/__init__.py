@@ -1,0 +1,4 @@
+"""The seam to SGLang: the plugin entry point, CLI flags, hooks and CPU compatibility.
+
+Importing this package imports nothing from SGLang; each hook module imports what it wraps when it is installed.
+"""

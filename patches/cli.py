@@ -1,0 +1,24 @@
+"""Hooks on SGLang's argument parsing that carry the `--multilora-*` flags (definitions in `flags.py`)."""
+
+from __future__ import annotations
+
+import os
+
+from sgl_multilora.patches import flags
+
+
+def add_cli_args(original, parser):
+    original(parser)
+    flags.add_cli_args(parser)
+
+
+def from_cli_args(original, cls, args):
+    ours = flags.pop_from_namespace(args)
+    if ours.adapter_dir:
+        found = sorted(d for d in os.listdir(ours.adapter_dir)
+                       if os.path.isfile(os.path.join(ours.adapter_dir, d, "adapter_config.json")))
+        given = list(getattr(args, "lora_paths", None) or [])
+        args.lora_paths = given + [f"{name}={os.path.join(ours.adapter_dir, name)}" for name in found]
+        args.enable_lora = True
+    flags.export(ours)
+    return original(cls, args)

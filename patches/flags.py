@@ -1,0 +1,91 @@
+"""The `--multilora-*` server flags: their definitions, validation, and how they reach every SGLang process.
+
+SGLang's argument parser rejects unknown flags and its `ServerArgs` record is sealed, so the flags are added to
+SGLang's own parser (they appear in `python -m sglang.launch_server --help` under "sgl_multilora"), taken out of the
+parsed namespace before `ServerArgs` is built, and exported as one JSON environment variable that every spawned
+process (scheduler, detokenizer, data-parallel controller) inherits. `current()` reads it in any process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+ENV_VAR = "SGL_MULTILORA_ARGS"
+PREFIX = "multilora_"
+
+
+@dataclass(frozen=True)
+class MultiLoRAArgs:
+    """Values of the `--multilora-*` flags (defaults are what a server without the flags gets)."""
+
+    # Who computes LoRA layers. `auto`: ours where SGLang's LoRA layers do not reach the model (the
+    # `--model-impl transformers` path, where SGLang's fused qkv/gate_up targets match no module), SGLang's elsewhere.
+    # `sglang`: always SGLang's own (its stock behaviour).
+    lora_compute: str = "auto"
+    # A directory whose sub-directories are PEFT adapters; each is loaded at start-up under its directory name,
+    # as if given to --lora-paths.
+    adapter_dir: str | None = None
+
+
+LORA_COMPUTE_CHOICES = ("auto", "sglang")
+
+
+def _adapter_dir(value: str) -> str:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    subdirs = [d for d in sorted(os.listdir(value)) if os.path.isfile(os.path.join(value, d, "adapter_config.json"))]
+    if not subdirs:
+        raise argparse.ArgumentTypeError(f"{value!r} holds no adapter (no */adapter_config.json)")
+    return os.path.abspath(value)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds the `--multilora-*` flags to SGLang's parser (a group of their own in --help)."""
+    group = parser.add_argument_group("sgl_multilora", "Multi-LoRA serving (the sgl_multilora plugin).")
+    group.add_argument(
+        "--multilora-lora-compute",
+        choices=LORA_COMPUTE_CHOICES,
+        default=MultiLoRAArgs.lora_compute,
+        help="Who computes LoRA layers: 'auto' uses sgl_multilora's LoRA layers where SGLang's do not reach the "
+        "model (--model-impl transformers) and SGLang's elsewhere; 'sglang' always uses SGLang's own.",
+    )
+    group.add_argument(
+        "--multilora-adapter-dir",
+        type=_adapter_dir,
+        default=MultiLoRAArgs.adapter_dir,
+        metavar="DIR",
+        help="Load every PEFT adapter found in DIR/<name>/ at start-up, named after its sub-directory "
+        "(added to --lora-paths; implies --enable-lora).",
+    )
+
+
+def pop_from_namespace(namespace: argparse.Namespace) -> MultiLoRAArgs:
+    """Removes the `multilora_*` attributes from a parsed namespace and returns them as a record."""
+    values = {}
+    for f in fields(MultiLoRAArgs):
+        attr = PREFIX + f.name
+        if hasattr(namespace, attr):
+            values[f.name] = getattr(namespace, attr)
+            delattr(namespace, attr)
+    return MultiLoRAArgs(**values)
+
+
+def export(args: MultiLoRAArgs) -> None:
+    """Makes `args` what `current()` returns here and in every process spawned from now on."""
+    os.environ[ENV_VAR] = json.dumps(asdict(args))
+    _cache.clear()
+
+
+_cache: dict[str, MultiLoRAArgs] = {}
+
+
+def current() -> MultiLoRAArgs:
+    """The flags this server was started with (defaults when started without them, e.g. through the Engine API)."""
+    raw = os.environ.get(ENV_VAR, "")
+    if raw not in _cache:
+        _cache.clear()
+        _cache[raw] = MultiLoRAArgs(**json.loads(raw)) if raw else MultiLoRAArgs()
+    return _cache[raw]

@@ -1,0 +1,74 @@
+"""`MultiLoRALinear`: a base projection plus the LoRA deltas of every adapter in the step, one op per adapter.
+
+The step's layout (`SegmentMeta`) and adapter weights are shared by all wrapped layers through one `LoRAStep`,
+set once per forward by the LoRA manager hook; a layer only looks up its own (layer, module) weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sgl_multilora.adapters import LoadedAdapter
+from sgl_multilora.segments import SegmentMeta
+from sgl_multilora.triton_kernels.lora_ref import lora_shrink_expand_ref
+
+
+class LoRAStep:
+    """The current step's layout and the adapters it may reference. Written by the manager hook, read by layers."""
+
+    __slots__ = ("meta", "adapters")
+
+    def __init__(self):
+        self.meta: SegmentMeta | None = None
+        self.adapters: dict[str, LoadedAdapter] = {}
+
+    def set(self, meta: SegmentMeta, adapters: dict[str, LoadedAdapter]) -> None:
+        self.meta = meta
+        self.adapters = adapters
+
+
+class MultiLoRALinear(nn.Module):
+    """Wraps one projection (`base`: any module mapping (..., in) -> (..., out)) of decoder layer `layer_id`."""
+
+    def __init__(self, base: nn.Module, *, layer_id: int, module_name: str):
+        super().__init__()
+        self.base = base
+        self.layer_id = layer_id
+        self.module_name = module_name
+        weight = base.weight
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.base_dtype = weight.dtype
+        self.step: LoRAStep | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:  # HF code sometimes reads `proj.weight.dtype`
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        step = self.step
+        if step is None or step.meta is None or not step.meta.has_lora:
+            return out
+        meta = step.meta
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] != meta.num_tokens:
+            raise RuntimeError(
+                f"LoRA layout is for {meta.num_tokens} tokens but layer {self.layer_id} {self.module_name} got "
+                f"{x2.shape[0]}"
+            )
+        rows, lora_a, lora_b, scalings = [], [], [], []
+        key = (self.layer_id, self.module_name)
+        for group in meta.groups:
+            adapter = step.adapters[group.key]
+            weights = adapter.weights.get(key)
+            if weights is None:  # this adapter does not target this module
+                continue
+            rows.append(group.token_index)
+            lora_a.append(weights[0])
+            lora_b.append(weights[1])
+            scalings.append(adapter.spec.scaling)
+        if rows:
+            out2 = out.view(-1, self.out_features)  # in place: `out` is the contiguous base output
+            lora_shrink_expand_ref(x2, out2, rows, lora_a, lora_b, scalings)
+        return out

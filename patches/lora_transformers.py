@@ -1,0 +1,152 @@
+"""LoRA on SGLang's `--model-impl transformers` path, where SGLang's own LoRA layers match no module.
+
+SGLang's LoRA manager normalises adapter targets to fused names (`qkv_proj`, `gate_up_proj`) while a Hugging Face
+model keeps separate `q_proj` / `k_proj` / `v_proj` / `gate_proj` / `up_proj`; and the modules whose names do match
+(`o_proj`, `down_proj`) would get wrappers that return SGLang's `(output, bias)` tuples into HF code. So on that path
+the manager keeps everything it does well (the adapter registry, `/load_lora_adapter`, batch admission) and this
+module takes over the layers: each decoder projection is wrapped in a `MultiLoRALinear`, adapter weights are loaded
+and validated by `sgl_multilora.adapters`, and every step's per-token layout is built by `SegmentMeta`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from sgl_multilora.adapters import AdapterError, LoadedAdapter, ModelShape, ModuleDims, load_adapter, read_config
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
+from sgl_multilora.segments import SegmentMeta
+
+logger = logging.getLogger(__name__)
+
+# Per-layer projections of HF decoder models that LoRA adapters target.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class TransformersLoRA:
+    """Per-LoRAManager state on the transformers path: wrapped layers, loaded adapters, the current step."""
+
+    def __init__(self, manager, shape: ModelShape, layers: list[MultiLoRALinear]):
+        self.manager = manager
+        self.shape = shape
+        self.layers = layers
+        self.adapters: dict[str, LoadedAdapter] = {}  # lora_id -> weights
+        self.step = LoRAStep()
+        for layer in layers:
+            layer.step = self.step
+
+    def load(self, lora_ref) -> None:
+        """Validates and loads `lora_ref`'s adapter; raises AdapterError naming the problem."""
+        adapter = load_adapter(lora_ref.lora_path, self.shape, name=lora_ref.lora_name)
+        dtype = self.layers[0].base_dtype if self.layers else torch.float32
+        device = self.manager.device
+        adapter.weights = {k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in adapter.weights.items()}
+        self.adapters[lora_ref.lora_id] = adapter
+
+    def prepare(self, forward_batch) -> None:
+        """Sets the layout of the step about to run (every wrapped layer reads it)."""
+        lora_ids = list(forward_batch.lora_ids or [])
+        if forward_batch.forward_mode.is_extend():
+            new_token_lens = list(forward_batch.extend_seq_lens_cpu)
+        else:
+            new_token_lens = [1] * len(lora_ids)
+        keys = [uid if uid in self.adapters else None for uid in lora_ids]
+        for uid, key in zip(lora_ids, keys):
+            if uid is not None and key is None:
+                raise RuntimeError(f"LoRA adapter id {uid} is in the batch but not loaded")
+        self.step.set(SegmentMeta.build(keys, new_token_lens, device=self.manager.device), self.adapters)
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(cls.__name__ == "TransformersBase" for cls in type(model).__mro__)
+
+
+def _state(manager) -> TransformersLoRA | None:
+    return getattr(manager, "_sgl_multilora", None)
+
+
+def _wrap_projections(model: nn.Module) -> tuple[ModelShape, list[MultiLoRALinear]]:
+    dims: dict[str, ModuleDims] = {}
+    wrapped: list[MultiLoRALinear] = []
+    num_layers = 0
+    for name, module in list(model.named_modules()):
+        short = name.rsplit(".", 1)[-1]
+        m = _LAYER.search(name)
+        if short not in PROJECTIONS or m is None or isinstance(module, MultiLoRALinear):
+            continue
+        layer_id = int(m.group(1))
+        lora_layer = MultiLoRALinear(module, layer_id=layer_id, module_name=short)
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        setattr(parent, short, lora_layer)
+        wrapped.append(lora_layer)
+        dims[short] = ModuleDims(lora_layer.in_features, lora_layer.out_features)
+        num_layers = max(num_layers, layer_id + 1)
+    return ModelShape(num_layers=num_layers, modules=dims), wrapped
+
+
+# ---- hooks (see hook_table.py) -------------------------------------------------------------------------------
+
+
+def init_lora_modules(original, self):
+    if flags.current().lora_compute == "sglang" or not _is_transformers_model(self.base_model):
+        return original(self)
+    self.lora_modules = [{} for _ in range(self.base_hf_config.num_hidden_layers)]
+    self.embed_tokens_module = None
+    self.lm_head_module = None
+    shape, layers = _wrap_projections(self.base_model)
+    shape = ModelShape(shape.num_layers, shape.modules, max_rank=self.max_lora_rank)
+    state = TransformersLoRA(self, shape, layers)
+    self._sgl_multilora = state
+    logger.info(
+        "sgl_multilora: LoRA on the transformers model path: %d projections wrapped (%s)",
+        len(layers), ", ".join(sorted(shape.modules)),
+    )
+    # Adapters given at start-up were registered before the model shape was known: validate and load them now.
+    for lora_id, lora_ref in list(self.lora_refs.items()):
+        try:
+            state.load(lora_ref)
+        except AdapterError as e:
+            raise RuntimeError(str(e)) from None
+
+
+def load_lora_adapter(original, self, lora_ref):
+    try:
+        read_config(lora_ref.lora_path, lora_ref.lora_name)
+    except AdapterError as e:
+        return self.create_lora_update_result(success=False, error_message=str(e))
+    state = _state(self)
+    if state is not None:  # after start-up: validate against the model before SGLang touches anything
+        try:
+            state.load(lora_ref)
+        except AdapterError as e:
+            return self.create_lora_update_result(success=False, error_message=str(e))
+    result = original(self, lora_ref)
+    if state is not None and not result.success:
+        state.adapters.pop(lora_ref.lora_id, None)
+    return result
+
+
+def unload_lora_adapter(original, self, lora_ref):
+    result = original(self, lora_ref)
+    state = _state(self)
+    if state is not None and result.success:
+        state.adapters.pop(lora_ref.lora_id, None)
+    return result
+
+
+def fetch_new_loras(original, self, new_loras, *args, **kwargs):
+    if _state(self) is None:
+        return original(self, new_loras, *args, **kwargs)
+    return None  # our layers read the adapters' own tensors; SGLang's slot buffers are not used on this path
+
+
+def prepare_lora_batch(original, self, forward_batch):
+    state = _state(self)
+    if state is None:
+        return original(self, forward_batch)
+    state.prepare(forward_batch)

@@ -1,0 +1,7 @@
+"""sgl_multilora: multi-LoRA serving for SGLang (LoRA-aware radix tree, aLoRA prefix sharing, unified pool).
+
+This package is the engine-agnostic core: it never imports SGLang. The seam to SGLang is `sgl_multilora.patches`
+(installed from `patches/`), and the kernels are `sgl_multilora.triton_kernels` (from `triton_kernels/`).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,224 @@
+"""Adapter registry records: PEFT config parsing, content identity, validation against a model, weight loading.
+
+Lives here: everything we know about one LoRA / aLoRA adapter directory, as plain Python and torch tensors.
+Not here: where the weights sit at serving time (the pool) or how they are applied (the LoRA layer / kernels).
+
+Identity. An adapter is known by `identity`, a SHA-256 over its canonical config and its weight bytes, never by the
+name a user gave it: loading changed weights under an old name yields a new identity, so KV cached for the old
+weights can never be hit again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
+_WEIGHT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that can never be served as given. The message names the adapter and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleDims:
+    """Input and output width of one projection of the base model (per layer, unsharded)."""
+
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What an adapter is checked against: the base model's layers and projections, and the server's rank limit."""
+
+    num_layers: int
+    modules: dict[str, ModuleDims]
+    max_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """Config-level facts about an adapter (no weights)."""
+
+    name: str
+    path: str
+    identity: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    alora_invocation_tokens: tuple[int, ...] | None
+
+    @property
+    def is_alora(self) -> bool:
+        return self.alora_invocation_tokens is not None
+
+
+@dataclass(slots=True)
+class LoadedAdapter:
+    """An adapter's spec and its weights: `weights[(layer_id, module)] = (A: (r, in), B: (out, r))`, fp32, CPU."""
+
+    spec: AdapterSpec
+    weights: dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
+
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def _fail(name: str, what: str) -> AdapterError:
+    return AdapterError(f"LoRA adapter '{name}': {what}")
+
+
+def read_config(path: str | os.PathLike, name: str | None = None) -> dict:
+    """Reads and checks `adapter_config.json`. Raises AdapterError naming the missing file or malformed field."""
+    path = Path(path)
+    name = name or path.name
+    if not path.is_dir():
+        raise _fail(name, f"adapter directory {str(path)!r} does not exist")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise _fail(name, f"{CONFIG_FILE} is missing in {str(path)!r}")
+    if not (path / WEIGHTS_FILE).is_file():
+        raise _fail(name, f"{WEIGHTS_FILE} is missing in {str(path)!r}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(name, f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise _fail(name, f"{CONFIG_FILE} must hold a JSON object")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise _fail(name, f"peft_type {peft_type!r} is not supported (only LORA)")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise _fail(name, f"'r' must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise _fail(name, f"'lora_alpha' must be a positive number, got {alpha!r}")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise _fail(name, f"'target_modules' must be a non-empty list of module names, got {targets!r}")
+    if config.get("use_dora"):
+        raise _fail(name, "DoRA adapters are not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise _fail(name, f"per-module '{key}' is not supported")
+    invocation = config.get("alora_invocation_tokens")
+    if invocation is not None and not (
+        isinstance(invocation, list) and invocation and all(isinstance(t, int) and t >= 0 for t in invocation)
+    ):
+        raise _fail(name, f"'alora_invocation_tokens' must be a non-empty list of token ids, got {invocation!r}")
+    return config
+
+
+def content_identity(path: str | os.PathLike, config: dict) -> str:
+    """SHA-256 over the canonical config JSON and the weight file's bytes (hex)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0")
+    with open(Path(path) / WEIGHTS_FILE, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_spec(path: str | os.PathLike, name: str | None = None) -> AdapterSpec:
+    """Config, identity and scaling of the adapter at `path`. Reads the weight file once (for the hash)."""
+    path = Path(path)
+    name = name or path.name
+    config = read_config(path, name)
+    rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    invocation = config.get("alora_invocation_tokens")
+    return AdapterSpec(
+        name=name,
+        path=str(path),
+        identity=content_identity(path, config),
+        rank=rank,
+        alpha=alpha,
+        scaling=scaling,
+        target_modules=tuple(sorted(config["target_modules"])),
+        alora_invocation_tokens=tuple(invocation) if invocation is not None else None,
+    )
+
+
+def check_against_model(spec: AdapterSpec, shape: ModelShape) -> None:
+    """Raises AdapterError if `spec` asks for a rank or target modules the server cannot hold."""
+    if shape.max_rank is not None and spec.rank > shape.max_rank:
+        raise _fail(
+            spec.name,
+            f"rank {spec.rank} exceeds the server's maximum LoRA rank {shape.max_rank} (--max-lora-rank)",
+        )
+    missing = sorted(set(spec.target_modules) - set(shape.modules))
+    if missing:
+        raise _fail(
+            spec.name,
+            f"target modules {missing} do not exist in the base model "
+            f"(it has {sorted(shape.modules)})",
+        )
+
+
+def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = None) -> LoadedAdapter:
+    """Reads, validates and loads an adapter's weights (fp32, CPU). Raises AdapterError on any mismatch."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    spec = read_spec(path, name)
+    check_against_model(spec, shape)
+    try:
+        tensors = load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise _fail(spec.name, f"{WEIGHTS_FILE} cannot be read ({e})") from None
+
+    halves: dict[tuple[int, str], dict[str, "torch.Tensor"]] = {}
+    for key, tensor in tensors.items():
+        m = _WEIGHT_KEY.search(key)
+        if m is None:
+            raise _fail(spec.name, f"unexpected tensor {key!r} (only per-layer lora_A / lora_B weights are supported)")
+        layer_id, module, half = int(m.group(1)), m.group(2), m.group(3)
+        if module not in shape.modules:
+            raise _fail(spec.name, f"tensor {key!r} targets module {module!r}, which the base model does not have")
+        if layer_id >= shape.num_layers:
+            raise _fail(spec.name, f"tensor {key!r} is for layer {layer_id}; the model has {shape.num_layers}")
+        halves.setdefault((layer_id, module), {})[half] = tensor.float().contiguous()
+
+    weights = {}
+    for (layer_id, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise _fail(spec.name, f"layer {layer_id} {module}: lora_A and lora_B must both be present")
+        a, b = pair["A"], pair["B"]
+        dims = shape.modules[module]
+        if tuple(a.shape) != (spec.rank, dims.in_features) or tuple(b.shape) != (dims.out_features, spec.rank):
+            raise _fail(
+                spec.name,
+                f"layer {layer_id} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match "
+                f"rank {spec.rank} and the module's ({dims.in_features} -> {dims.out_features})",
+            )
+        weights[(layer_id, module)] = (a, b)
+    if not weights:
+        raise _fail(spec.name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return LoadedAdapter(spec=spec, weights=weights)
+
+
+def find_invocation_start(token_ids: list[int], invocation: tuple[int, ...]) -> int | None:
+    """Start of the last occurrence of `invocation` in `token_ids`, or None if it does not occur (aLoRA's k)."""
+    n = len(invocation)
+    first = invocation[0]
+    for start in range(len(token_ids) - n, -1, -1):
+        if token_ids[start] == first and tuple(token_ids[start : start + n]) == invocation:
+            return start
+    return None
