@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
-ENV_VAR = "SGL_MULTILORA_ARGS"
+ENV_VAR = "MULTILORA_SERVER_ARGS"  # not SGL_*: SGLang rewrites SGL_* variables to SGLANG_*
 PREFIX = "multilora_"
 
 
@@ -28,9 +28,14 @@ class MultiLoRAArgs:
     # A directory whose sub-directories are PEFT adapters; each is loaded at start-up under its directory name,
     # as if given to --lora-paths.
     adapter_dir: str | None = None
+    # CPU extend attention (`--attention-backend torch_native`). `ours`: only the new tokens' rows, against the
+    # cached prefix plus themselves (cost grows with new x total tokens). `stock`: SGLang's path, which recomputes
+    # every cached position's row and drops it (cost grows with total squared).
+    extend_attention: str = "ours"
 
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
+EXTEND_ATTENTION_CHOICES = ("ours", "stock")
 
 
 def _adapter_dir(value: str) -> str:
@@ -59,6 +64,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Load every PEFT adapter found in DIR/<name>/ at start-up, named after its sub-directory "
         "(added to --lora-paths; implies --enable-lora).",
+    )
+    group.add_argument(
+        "--multilora-extend-attention",
+        choices=EXTEND_ATTENTION_CHOICES,
+        default=MultiLoRAArgs.extend_attention,
+        help="'ours' computes CPU extend attention for the new tokens only (torch_native backend); "
+        "'stock' keeps SGLang's path.",
     )
 
 

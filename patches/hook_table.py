@@ -37,8 +37,17 @@ HOOKS: tuple[HookSpec, ...] = (
              ("self", "lora_ref"), "drop an unloaded adapter's weights"),
     HookSpec(f"{_LORA_MANAGER}.fetch_new_loras", "around", "lora_transformers:fetch_new_loras",
              ("self", "new_loras"), "skip SGLang's slot copies on the path where its LoRA layers are not used"),
+    HookSpec("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "before",
+             "lora_transformers:forward_batch_init_new", ("cls", "batch"),
+             "see the batch's requests (aLoRA activation starts may lie in their cached prefix)"),
     HookSpec(f"{_LORA_MANAGER}.prepare_lora_batch", "around", "lora_transformers:prepare_lora_batch",
              ("self", "forward_batch"), "build the step's per-token adapter layout"),
+    HookSpec("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+             "around", "cpu_extend_attention:run_sdpa_forward_extend",
+             ("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens",
+              "extend_prefix_lens", "extend_seq_lens", "encoder_lens", "scaling", "enable_gqa", "causal",
+              "is_cross_attn", "sliding_window_size"),
+             "CPU extend attention for the new tokens only, not the cached prefix (stock recomputes it)"),
 )
 
 

@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import torch
 from torch import nn
 
-from sgl_multilora.adapters import AdapterError, LoadedAdapter, ModelShape, ModuleDims, load_adapter, read_config
+from sgl_multilora.adapters import (
+    AdapterError,
+    LoadedAdapter,
+    ModelShape,
+    ModuleDims,
+    find_invocation_start,
+    load_adapter,
+    read_config,
+)
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.segments import SegmentMeta
@@ -26,6 +35,10 @@ logger = logging.getLogger(__name__)
 # Per-layer projections of HF decoder models that LoRA adapters target.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+# The requests of the ForwardBatch being built (set just before SGLang builds it, read by `prepare`): SGLang's
+# ForwardBatch carries only the new tokens, while an aLoRA's activation start may lie in the cached prefix.
+_building = threading.local()
 
 
 class TransformersLoRA:
@@ -59,7 +72,41 @@ class TransformersLoRA:
         for uid, key in zip(lora_ids, keys):
             if uid is not None and key is None:
                 raise RuntimeError(f"LoRA adapter id {uid} is in the batch but not loaded")
-        self.step.set(SegmentMeta.build(keys, new_token_lens, device=self.manager.device), self.adapters)
+        starts = self._lora_starts(forward_batch, keys)
+        meta = SegmentMeta.build(keys, new_token_lens, starts, device=self.manager.device)
+        self.step.set(meta, self.adapters)
+
+    def _lora_starts(self, forward_batch, keys: list[str | None]) -> list[int] | None:
+        """Per request, the first new token the adapter applies to: 0 for a standard LoRA; for an aLoRA, its
+        activation start k (start of the last invocation sequence in the prompt) minus the cached prefix length."""
+        alora = [k is not None and self.adapters[k].spec.is_alora for k in keys]
+        if not any(alora):
+            return None
+        reqs = getattr(_building, "reqs", None)
+        if reqs is None or len(reqs) != len(keys):
+            raise RuntimeError("aLoRA request in a batch whose requests are unknown (ForwardBatch.init_new hook off?)")
+        extend = forward_batch.forward_mode.is_extend()
+        prefix_lens = forward_batch.extend_prefix_lens_cpu if extend else None
+        starts = []
+        for i, (key, is_alora) in enumerate(zip(keys, alora)):
+            if not is_alora:
+                starts.append(0)
+                continue
+            k = activation_start(reqs[i], self.adapters[key].spec.alora_invocation_tokens)
+            if k is None:  # no invocation sequence: the adapter never activates (as in PEFT)
+                starts.append(1 << 62)
+            else:
+                starts.append(k - prefix_lens[i] if extend else 0)
+        return starts
+
+
+def activation_start(req, invocation: tuple[int, ...]) -> int | None:
+    """aLoRA's k for `req` (computed once per request, from its prompt token ids)."""
+    cached = getattr(req, "_sgl_multilora_alora_k", False)
+    if cached is False:
+        cached = find_invocation_start(list(req.origin_input_ids), invocation)
+        req._sgl_multilora_alora_k = cached
+    return cached
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -143,6 +190,10 @@ def fetch_new_loras(original, self, new_loras, *args, **kwargs):
     if _state(self) is None:
         return original(self, new_loras, *args, **kwargs)
     return None  # our layers read the adapters' own tensors; SGLang's slot buffers are not used on this path
+
+
+def forward_batch_init_new(cls, batch, *args, **kwargs):
+    _building.reqs = getattr(batch, "reqs", None)
 
 
 def prepare_lora_batch(original, self, forward_batch):

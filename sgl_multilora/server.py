@@ -1,0 +1,117 @@
+"""Start and stop a real SGLang server in a subprocess (used by the demo, the tests and the eval harness).
+
+Lives here: building the `python -m sglang.launch_server` command line, waiting for readiness, shutting the whole
+process tree down. Not here: anything that imports SGLang (the server runs in its own processes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def cpu_server_args(max_total_tokens: int = 8192) -> list[str]:
+    """The flags a CPU server needs (see shared notes: transformers model path, torch_native attention, fp32)."""
+    return [
+        "--device", "cpu",
+        "--model-impl", "transformers",
+        "--attention-backend", "torch_native",
+        "--dtype", "float32",
+        "--max-total-tokens", str(max_total_tokens),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    """A running server. `url` is its base address; `log_path` holds its stdout and stderr."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    command: list[str] = field(default_factory=list)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops the server and every process it spawned. Idempotent."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=timeout_s)
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def launch(
+    model_path: str | os.PathLike,
+    extra_args: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    log_path: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 300.0,
+    python: str = sys.executable,
+) -> ServerHandle:
+    """Starts `python -m sglang.launch_server` and returns once `/health_generate` answers 200.
+
+    Raises ServerStartError with the end of the server's log if it exits or does not become ready in time.
+    """
+    port = port or free_port()
+    log_path = Path(log_path or f"/tmp/sgl_multilora_server_{port}.log")
+    command = [
+        python, "-m", "sglang.launch_server", "--model-path", str(model_path),
+        "--host", "127.0.0.1", "--port", str(port), *extra_args,
+    ]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+    )
+    log.close()
+    handle = ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, command=command)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if not handle.alive():
+            raise ServerStartError(
+                f"server exited with code {process.returncode} during start-up; log {log_path}:\n{handle.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(handle.url + "/health_generate", timeout=30) as response:
+                if response.status == 200:
+                    return handle
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(1.0)
+    handle.stop()
+    raise ServerStartError(f"server not ready after {ready_timeout_s:.0f} s; log {log_path}:\n{handle.log_tail()}")

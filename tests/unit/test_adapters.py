@@ -1,0 +1,124 @@
+"""Adapter records: config checks with clear errors, content identity, validation against a model, aLoRA's k."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sgl_multilora.adapters import (
+    AdapterError,
+    ModelShape,
+    ModuleDims,
+    find_invocation_start,
+    load_adapter,
+    read_spec,
+)
+
+SHAPE = ModelShape(
+    num_layers=2,
+    modules={"q_proj": ModuleDims(8, 8), "v_proj": ModuleDims(8, 4)},
+    max_rank=4,
+)
+
+
+def write_adapter(path, *, r=2, targets=("q_proj", "v_proj"), seed=0, **config):
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module in targets:
+            dims = SHAPE.modules.get(module, ModuleDims(8, 8))
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, dims.in_features, generator=g)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(dims.out_features, r, generator=g)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets), **config}
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_load_reads_every_layer_and_module(tmp_path):
+    adapter = load_adapter(write_adapter(tmp_path / "a"), SHAPE)
+    assert sorted(adapter.weights) == [(0, "q_proj"), (0, "v_proj"), (1, "q_proj"), (1, "v_proj")]
+    a, b = adapter.weights[(1, "v_proj")]
+    assert a.shape == (2, 8) and b.shape == (4, 2)
+    assert adapter.spec.scaling == 2.0 and adapter.spec.name == "a" and not adapter.spec.is_alora
+
+
+def test_rslora_scaling(tmp_path):
+    spec = read_spec(write_adapter(tmp_path / "a", r=4, use_rslora=True))
+    assert spec.scaling == pytest.approx(8 / 2)
+
+
+def test_identity_is_content_not_name(tmp_path):
+    a = read_spec(write_adapter(tmp_path / "a", seed=0))
+    same_weights_other_name = read_spec(write_adapter(tmp_path / "b", seed=0))
+    changed_weights = read_spec(write_adapter(tmp_path / "a", seed=1))
+    assert a.identity == same_weights_other_name.identity
+    assert changed_weights.identity != a.identity
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: (p / "adapter_config.json").unlink(), "adapter_config.json is missing"),
+        (lambda p: (p / "adapter_model.safetensors").unlink(), "adapter_model.safetensors is missing"),
+        (lambda p: (p / "adapter_config.json").write_text("[1, 2"), "not valid JSON"),
+        (lambda p: (p / "adapter_config.json").write_text('{"r": 2, "target_modules": "all"}'), "target_modules"),
+        (lambda p: (p / "adapter_config.json").write_text('{"r": 0, "target_modules": ["q_proj"]}'), "'r'"),
+        (lambda p: (p / "adapter_config.json").write_text(
+            '{"peft_type": "IA3", "r": 2, "target_modules": ["q_proj"]}'), "peft_type 'IA3'"),
+        (lambda p: (p / "adapter_model.safetensors").write_bytes(b"garbage"), "cannot be read"),
+    ],
+)
+def test_malformed_adapter_names_the_problem(tmp_path, mutate, message):
+    path = write_adapter(tmp_path / "broken")
+    mutate(path)
+    with pytest.raises(AdapterError, match="LoRA adapter 'broken'") as info:
+        load_adapter(path, SHAPE)
+    assert message in str(info.value)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(AdapterError, match="does not exist"):
+        load_adapter(tmp_path / "nowhere", SHAPE, name="x")
+
+
+def test_rank_above_server_limit(tmp_path):
+    with pytest.raises(AdapterError, match="rank 8 exceeds the server's maximum LoRA rank 4"):
+        load_adapter(write_adapter(tmp_path / "big", r=8), SHAPE)
+
+
+def test_target_module_the_model_lacks(tmp_path):
+    with pytest.raises(AdapterError, match=r"target modules \['c_attn'\] do not exist"):
+        load_adapter(write_adapter(tmp_path / "gpt2ish", targets=("q_proj", "c_attn")), SHAPE)
+
+
+def test_shape_mismatch(tmp_path):
+    other = ModelShape(2, {"q_proj": ModuleDims(16, 8), "v_proj": ModuleDims(8, 4)}, max_rank=4)
+    with pytest.raises(AdapterError, match="do not match rank 2"):
+        load_adapter(write_adapter(tmp_path / "a"), other)
+
+
+def test_alora_invocation_tokens(tmp_path):
+    spec = read_spec(write_adapter(tmp_path / "a", alora_invocation_tokens=[5, 6]))
+    assert spec.is_alora and spec.alora_invocation_tokens == (5, 6)
+    with pytest.raises(AdapterError, match="alora_invocation_tokens"):
+        read_spec(write_adapter(tmp_path / "b", alora_invocation_tokens=[]))
+
+
+@pytest.mark.parametrize(
+    "ids, invocation, k",
+    [
+        ([1, 5, 6, 2, 5, 6, 3], (5, 6), 4),  # the last occurrence
+        ([5, 6], (5, 6), 0),
+        ([1, 2, 3], (5, 6), None),
+        ([1, 5], (5, 6), None),  # a partial occurrence at the end does not count
+        ([5, 5, 5], (5, 5), 1),
+    ],
+)
+def test_find_invocation_start(ids, invocation, k):
+    assert find_invocation_start(ids, invocation) == k

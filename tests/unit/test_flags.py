@@ -1,0 +1,69 @@
+"""The --multilora-* flags: parsing, bad values, and how they reach spawned processes."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+
+import pytest
+
+from sgl_multilora.patches import flags
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang serve")
+    p.add_argument("--model-path")
+    flags.add_cli_args(p)
+    return p
+
+
+def test_defaults_and_values(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text("{}")
+    ns = parser().parse_args(["--model-path", "m", "--multilora-lora-compute", "sglang",
+                              "--multilora-adapter-dir", str(tmp_path)])
+    ours = flags.pop_from_namespace(ns)
+    assert ours.lora_compute == "sglang" and ours.adapter_dir == str(tmp_path)
+    assert not any(name.startswith("multilora_") for name in vars(ns))  # SGLang never sees them
+    assert flags.pop_from_namespace(parser().parse_args([])) == flags.MultiLoRAArgs()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--multilora-lora-compute", "fast"], "invalid choice: 'fast'"),
+        (["--multilora-adapter-dir", "/no/such/dir"], "is not a directory"),
+    ],
+)
+def test_bad_values_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and argv[0] in err
+
+
+def test_adapter_dir_without_adapters(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--multilora-adapter-dir", str(tmp_path)])
+    assert "holds no adapter" in capsys.readouterr().err
+
+
+def _child(queue):
+    queue.put(flags.current())
+
+
+def test_exported_flags_reach_spawned_processes(monkeypatch):
+    monkeypatch.delenv(flags.ENV_VAR, raising=False)
+    flags.export(flags.MultiLoRAArgs(lora_compute="sglang"))
+    try:
+        ctx = multiprocessing.get_context("spawn")  # as SGLang starts its scheduler and detokenizer
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child, args=(queue,))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(timeout=60)
+        assert got == flags.MultiLoRAArgs(lora_compute="sglang")
+    finally:
+        monkeypatch.delenv(flags.ENV_VAR, raising=False)
+        flags._cache.clear()
