@@ -1,0 +1,297 @@
+"""The LoRA-aware radix tree: a prefix cache of KV slot ids, keyed by namespace, adapter and tokens.
+
+Lives here: match / insert / lock / unlock / evict and adapter nodes, over plain Python ints (slot ids).
+Not here: the node records (`tree_nodes.py`), the invariant checker (`tree_check.py`), the memory pool that
+owns the slots, eviction policies other than LRU (`policy/`) and the SGLang seam (`patches/`).
+
+```
+root
+ └─ namespace (depth 1): one per Namespace(base_model, cache_salt, extra_key)
+     ├─ base (depth 2): the no-adapter node; base KV hangs below it
+     │   └─ KV [5 6 7] ─┬─ KV [8 9]                       base continues (child key: token 8)
+     │                  └─ KV [9 4]   aLoRA X suffix      (child key: AloraEdge(X, 0, 9); depends on X)
+     ├─ adapter A (depth 2, keyed by A's content hash): A's KV hangs below it
+     │   └─ KV [5 6 7 8 9]
+     └─ adapter X (depth 2, an aLoRA): no KV below it; its suffixes hang in the base subtree
+```
+
+Isolation. A request's key is `MatchKey(namespace, adapter, token_ids, alora_start)` and every component picks
+a separate dictionary level, so two requests share KV only if they agree on all of them:
+- depth 1 is a dict keyed by the frozen `Namespace` dataclass, compared field by field. No choice of
+  `cache_salt` / `extra_key` strings can equal another namespace (`("a", "bc")` is not `("ab", "c")`), and an
+  `extra_key` equal to an adapter's identity is just a namespace field: it never selects an adapter node.
+  (Stock SGLang joins `extra_key + lora_id` into one string, so there such a base request hits the LoRA's KV.)
+- depth 2 is keyed by `None` (base) or the adapter's identity, a content hash of config and weights; a name
+  is never part of a key, so reloading new weights under an old name starts from an empty subtree.
+- below depth 2 children are keyed by a token (page_size 1) or a page tuple; the only other key is
+  `AloraEdge(identity, offset, first)`, which starts an aLoRA suffix and equals no token key, no other
+  adapter's edge and no other activation offset. Base requests never follow an `AloraEdge`.
+A standard LoRA reads only below its adapter node; an aLoRA reads base KV before its activation start k and
+only its own suffix from k on, so cross-request sharing happens exactly where the KV is provably equal.
+
+Dependencies (ELORA's invariant): a resident KV node's parent chain is resident, and so is the adapter node
+of an aLoRA suffix. Eviction takes leaves only, an adapter node goes only with everything depending on it,
+and `lock` pins the whole chain including the adapter, so the invariant holds after every call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+
+from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.tree_nodes import (
+    HitKind,
+    InsertResult,
+    MatchResult,
+    Node,
+    NodeKind,
+    ScoreFn,
+    TreeStats,
+    lru_score,
+)
+from sgl_multilora.tree_ops import RadixOps
+
+FreeFn = Callable[[list[int]], object]
+"""`free_fn(values)`: gives the slot ids of one evicted KV run back to their owner."""
+
+_KV = NodeKind.KV
+_ADAPTER = NodeKind.ADAPTER
+
+
+class LoraRadixTree(RadixOps):
+    """Owner of all nodes; the radix mechanics it uses live in `tree_ops.RadixOps`.
+
+    Sizes are in tokens; values are KV slot ids, one per token.
+
+    `page_size`: match lengths are multiples of it and inserted keys must be. `score(node, now)` orders
+    eviction (lowest first, ties by creation order). `clock()` gives `now` for access times and scores.
+    """
+
+    def __init__(self, page_size: int = 1, score: ScoreFn = lru_score,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.score = score
+        self.clock = clock
+        self._next_id = 0
+        self.root = self._new_node(NodeKind.ROOT)
+        self._leaves: set[Node] = set()  # KV nodes without children, locked or not
+        self._evictable_len = 0
+        self._protected_len = 0
+        self._num_kv_nodes = 0
+        self._num_adapter_nodes = 0
+        self._num_matches = 0
+        self._hits: dict[str, int] = {k.value: 0 for k in HitKind}
+        self._hit_tokens: dict[str, int] = {k.value: 0 for k in HitKind}
+        self._num_evicted_runs = 0
+        self._num_evicted_tokens = 0
+
+    # ---- structural nodes -------------------------------------------------------------------------
+
+    def namespace_node(self, namespace: Namespace) -> Node | None:
+        return self.root.children.get(namespace)
+
+    def adapter_node(self, namespace: Namespace, adapter: AdapterRef) -> Node | None:
+        """The resident adapter node, or None. Does not modify the tree."""
+        ns_node = self.root.children.get(namespace)
+        return None if ns_node is None else ns_node.children.get(adapter.identity)
+
+    def ensure_namespace(self, namespace: Namespace) -> Node:
+        """Returns the namespace node, creating it and its base node if absent."""
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        ns_node = self.root.children.get(namespace)
+        if ns_node is None:
+            ns_node = self._new_node(NodeKind.NAMESPACE, parent=self.root, edge=namespace, label=namespace)
+            self._new_node(NodeKind.BASE, parent=ns_node, edge=None, label=namespace)
+        return ns_node
+
+    def ensure_adapter(self, namespace: Namespace, adapter: AdapterRef) -> Node:
+        """Returns the adapter node (depth 2), creating it (and the namespace) if absent."""
+        if not isinstance(adapter, AdapterRef):
+            raise TypeError(f"adapter must be an AdapterRef, got {type(adapter).__name__}")
+        ns_node = self.ensure_namespace(namespace)
+        node = ns_node.children.get(adapter.identity)
+        if node is None:
+            node = self._new_node(_ADAPTER, parent=ns_node, edge=adapter.identity, label=adapter)
+            node.dependents = set()
+            node.last_access = self.clock()
+            self._num_adapter_nodes += 1
+        return node
+
+    def remove_adapter(self, namespace: Namespace, adapter: AdapterRef, free_fn: FreeFn) -> int | None:
+        """Removes an adapter node together with all KV that depends on it; returns the tokens freed.
+
+        Dependents go first: the adapter's own KV subtree and every aLoRA suffix keyed by it are evicted
+        (each run through `free_fn`), then the node itself. Returns None, changing nothing, while the adapter
+        is locked (a running request uses it or its KV); since every lock on a dependent also locks the
+        adapter, an unlocked adapter has no locked dependent. Raises KeyError if the adapter is not resident.
+        """
+        ns_node = self.root.children.get(namespace)
+        node = None if ns_node is None else ns_node.children.get(adapter.identity)
+        if node is None:
+            raise KeyError(f"adapter {adapter!r} is not resident in {namespace!r}")
+        if node.lock_ref > 0:
+            return None
+        freed = 0
+        for top in [*node.children.values(), *node.dependents]:
+            freed += self._evict_subtree(top, free_fn)
+        del ns_node.children[node.edge]
+        node.parent = None
+        self._num_adapter_nodes -= 1
+        return freed
+
+    # ---- match and insert -------------------------------------------------------------------------
+
+    def match(self, key: MatchKey, *, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of `key` (a multiple of page_size) and its KV slot ids.
+
+        Never changes the tree's structure. With `touch` (the default) it records the access: last-access
+        times on the matched path and the adapter node, hit counters. With `touch=False` it is a pure query.
+        With the tree drawn in the module docstring, an aLoRA X request on [5 6 7 9 4 1] with k = 3 gets 5
+        tokens: [5 6 7] of base KV and [9 4] of X's suffix. When no suffix token matched, `last_node` lies in
+        the base subtree and locking it does not pin X: lock `adapter_node(...)` too if the request needs it.
+        """
+        tokens = _as_tuple(key.token_ids)
+        ns_node = self.root.children.get(key.namespace)
+        if ns_node is None:
+            return MatchResult(0, [], self.root, None)
+        now = self.clock() if touch else None
+        out: list[int] = []
+        adapter = key.adapter
+        end = self._floor(len(tokens))
+        if adapter is not None and key.alora_start is None:
+            start = ns_node.children.get(adapter.identity)
+            if start is None:
+                return MatchResult(0, [], ns_node, None)
+            if now is not None:
+                start.last_access = now
+            node, pos, _ = self._descend(start, tokens, 0, end, out, now, HitKind.SAME_ADAPTER)
+            return self._result(out, node, [(HitKind.SAME_ADAPTER, pos)], touch)
+        base = ns_node.children[None]
+        if adapter is None:
+            node, pos, _ = self._descend(base, tokens, 0, end, out, now, HitKind.BASE)
+            return self._result(out, node, [(HitKind.BASE, pos)], touch)
+        adapter_node = ns_node.children.get(adapter.identity)
+        if now is not None and adapter_node is not None:
+            adapter_node.last_access = now
+        k = key.alora_start
+        base_end = end if len(tokens) <= k else self._floor(k)
+        node, pos, boundary = self._descend(base, tokens, 0, base_end, out, now, HitKind.ALORA_BASE_PREFIX)
+        regions = [(HitKind.ALORA_BASE_PREFIX, pos)]
+        if len(tokens) > k and pos == base_end and boundary and adapter_node is not None:
+            edge = (adapter.identity, k - base_end)
+            suffix_node, end_pos, _ = self._descend(node, tokens, pos, end, out, now,
+                                                    HitKind.ALORA_SUFFIX, edge)
+            if end_pos > pos:
+                regions.append((HitKind.ALORA_SUFFIX, end_pos - pos))
+                node = suffix_node
+        return self._result(out, node, regions, touch)
+
+    def insert(self, key: MatchKey, values: Sequence[int]) -> InsertResult:
+        """Caches `values` (one KV slot id per token of `key.token_ids`) under `key`.
+
+        Must hold: `len(values) == len(key.token_ids)`, a multiple of page_size (ValueError otherwise). Creates
+        the namespace and adapter nodes it needs: the caller just computed this KV with the adapter, so it is
+        loaded. Splits nodes where the key diverges. See `InsertResult` for who frees which slots.
+        """
+        tokens = _as_tuple(key.token_ids)
+        vals = values.tolist() if hasattr(values, "tolist") else list(values)
+        n = len(tokens)
+        if len(vals) != n:
+            raise ValueError(f"insert needs one value per token: {n} tokens, {len(vals)} values")
+        if n % self.page_size:
+            raise ValueError(f"insert length {n} is not a multiple of page_size {self.page_size}")
+        now = self.clock()
+        ns_node = self.ensure_namespace(key.namespace)
+        adapter = key.adapter
+        if adapter is not None and key.alora_start is None:
+            start = self.ensure_adapter(key.namespace, adapter)
+            start.last_access = now
+            node, present = self._insert_run(start, tokens, vals, 0, n, now)
+            return InsertResult(present, node)
+        base = ns_node.children[None]
+        k = key.alora_start
+        if adapter is None or n <= k:
+            node, present = self._insert_run(base, tokens, vals, 0, n, now)
+            return InsertResult(present, node)
+        adapter_node = self.ensure_adapter(key.namespace, adapter)
+        adapter_node.last_access = now
+        anchor_pos = self._floor(k)
+        anchor, present = self._insert_run(base, tokens, vals, 0, anchor_pos, now)
+        node, suffix_present = self._insert_run(anchor, tokens, vals, anchor_pos, n, now,
+                                                (adapter_node, k - anchor_pos))
+        return InsertResult(present + suffix_present, node)
+
+    # ---- locks and eviction -----------------------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        """Pins `node`, its KV ancestors, its adapter node and (for aLoRA suffixes) the adapter it depends on.
+
+        Locked KV is never evicted and a locked adapter is never removed. A no-op on ROOT / NAMESPACE / BASE.
+        Every `lock` must be paired with one `unlock` of the same node.
+        """
+        assert not node.is_evicted, f"lock on evicted {node}: a match result used after an evict without a lock"
+        assert node.kind is not _ADAPTER or node.parent is not None, f"lock on removed adapter {node}"
+        self._add_lock(node, 1)
+
+    def unlock(self, node: Node) -> None:
+        """Undoes one `lock(node)`."""
+        assert node.kind not in (_KV, _ADAPTER) or node.lock_ref > 0, f"unlock without lock on {node}"
+        self._add_lock(node, -1)
+
+    def evict(self, num_tokens: int, free_fn: FreeFn) -> int:
+        """Evicts unlocked leaves, lowest `score` first, until `num_tokens` are freed or none is left.
+
+        Calls `free_fn(values)` once per evicted run; a parent left childless and unlocked becomes a candidate
+        in the same call. Returns the tokens evicted (may exceed `num_tokens` by part of the last run).
+        """
+        if num_tokens <= 0:
+            return 0
+        now = self.clock()
+        score = self.score
+        heap = [(score(n, now), n.id, n) for n in self._leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            num_evicted += self._evict_leaf(node, free_fn)
+            if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (score(parent, now), parent.id, parent))
+        return num_evicted
+
+    def evictable_size(self) -> int:
+        return self._evictable_len
+
+    def protected_size(self) -> int:
+        return self._protected_len
+
+    def total_size(self) -> int:
+        return self._evictable_len + self._protected_len
+
+    def stats(self) -> TreeStats:
+        return TreeStats(
+            num_matches=self._num_matches, hits=dict(self._hits), hit_tokens=dict(self._hit_tokens),
+            num_namespaces=len(self.root.children), num_adapter_nodes=self._num_adapter_nodes,
+            num_kv_nodes=self._num_kv_nodes, total_len=self.total_size(),
+            evictable_len=self._evictable_len, protected_len=self._protected_len,
+            num_evicted_runs=self._num_evicted_runs, num_evicted_tokens=self._num_evicted_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        """Walks the whole tree; raises AssertionError naming the first broken invariant. O(nodes)."""
+        from sgl_multilora.tree_check import check_tree
+
+        check_tree(self)
+
+
+def _as_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    if type(token_ids) is tuple:
+        return token_ids
+    if hasattr(token_ids, "tolist"):
+        return tuple(token_ids.tolist())
+    return tuple(token_ids)
