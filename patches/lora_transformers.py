@@ -19,12 +19,13 @@ from torch import nn
 
 from sgl_multilora.adapters import (
     AdapterError,
+    AdapterSpec,
     LoadedAdapter,
     ModelShape,
     ModuleDims,
     find_invocation_start,
     load_adapter,
-    read_config,
+    read_spec,
 )
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
@@ -161,9 +162,17 @@ def init_lora_modules(original, self):
             raise RuntimeError(str(e)) from None
 
 
+def adapter_specs(manager) -> dict[str, AdapterSpec]:
+    """lora_id -> AdapterSpec (content identity, aLoRA invocation) of every adapter `manager` has loaded."""
+    specs = getattr(manager, "_sgl_multilora_specs", None)
+    if specs is None:
+        specs = manager._sgl_multilora_specs = {}
+    return specs
+
+
 def load_lora_adapter(original, self, lora_ref):
     try:
-        read_config(lora_ref.lora_path, lora_ref.lora_name)
+        spec = read_spec(lora_ref.lora_path, lora_ref.lora_name)
     except AdapterError as e:
         return self.create_lora_update_result(success=False, error_message=str(e))
     state = _state(self)
@@ -173,16 +182,20 @@ def load_lora_adapter(original, self, lora_ref):
         except AdapterError as e:
             return self.create_lora_update_result(success=False, error_message=str(e))
     result = original(self, lora_ref)
-    if state is not None and not result.success:
+    if result.success:
+        adapter_specs(self)[lora_ref.lora_id] = spec
+    elif state is not None:
         state.adapters.pop(lora_ref.lora_id, None)
     return result
 
 
 def unload_lora_adapter(original, self, lora_ref):
     result = original(self, lora_ref)
-    state = _state(self)
-    if state is not None and result.success:
-        state.adapters.pop(lora_ref.lora_id, None)
+    if result.success:
+        adapter_specs(self).pop(lora_ref.lora_id, None)
+        state = _state(self)
+        if state is not None:
+            state.adapters.pop(lora_ref.lora_id, None)
     return result
 
 

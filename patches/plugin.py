@@ -50,4 +50,7 @@ def register() -> None:
         module_name, fn_name = spec.hook.split(":")
         fn = getattr(importlib.import_module(f"sgl_multilora.patches.{module_name}"), fn_name)
         HookRegistry.register(spec.target, fn, HookType(spec.kind))
+    from sgl_multilora.patches import radix_backend
+
+    radix_backend.register()  # --radix-cache-backend multilora
     _registered = True

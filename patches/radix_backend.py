@@ -1,0 +1,232 @@
+"""`--radix-cache-backend multilora`: SGLang's prefix cache backed by the LoRA-aware tree (`sgl_multilora.tree`).
+
+The class keeps SGLang's request-level contract (match on admission, `checkpoint` after each extend and on
+finish, locks held through `req.lock`, eviction when the KV allocator runs short) and translates every call into
+a structured `MatchKey`: namespace = (served model, cache_salt, the client's own extra_key), adapter = the
+content identity of the request's adapter, aLoRA activation start k from the adapter's invocation tokens. SGLang's
+own key folds the LoRA id into `extra_key` by string concatenation; it is taken apart here and never used as a key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.patches.lora_transformers import activation_start, adapter_specs
+from sgl_multilora.tree import LoraRadixTree
+from sgl_multilora.tree_nodes import Node, NodeKind
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "multilora"
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class MultiLoRARadixCache(RadixCache):
+    """A `RadixCache` whose tree is a `LoraRadixTree`. Nodes handed to SGLang are the tree's `Node`s."""
+
+    def __init__(self, params, *, model_id: str, lora_manager=None):
+        self.model_id = model_id
+        self.lora_manager = lora_manager
+        self._last_stats_log = time.monotonic()
+        super().__init__(params)
+
+    # ---- keys -------------------------------------------------------------------------------------------------
+
+    def _namespace(self, extra_key: str | None, cache_salt: str | None) -> Namespace:
+        return Namespace(base_model=self.model_id, cache_salt=cache_salt, extra_key=extra_key or None)
+
+    def _key_for_req(self, req, token_ids) -> MatchKey:
+        lora_id = getattr(req, "lora_id", None)
+        extra_key = req.extra_key
+        if lora_id is not None and extra_key is not None and extra_key.endswith(lora_id):
+            extra_key = extra_key[: -len(lora_id)]  # SGLang appended the LoRA id: keep only the client's part
+        namespace = self._namespace(extra_key, req.cache_salt)
+        spec = None
+        if lora_id is not None and self.lora_manager is not None:
+            spec = adapter_specs(self.lora_manager).get(lora_id)
+            if spec is None:
+                raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
+        tokens = list(token_ids)
+        if spec is None:
+            return MatchKey(namespace, None, tokens)
+        adapter = AdapterRef(identity=spec.identity, name=spec.name)
+        if not spec.is_alora:
+            return MatchKey(namespace, adapter, tokens)
+        k = activation_start(req, spec.alora_invocation_tokens)
+        if k is None:  # the adapter never activates: every token is base KV
+            return MatchKey(namespace, None, tokens)
+        return MatchKey(namespace, adapter, tokens, alora_start=k)
+
+    def _key_without_req(self, key) -> MatchKey:
+        # Callers that pass no request (SGLang's in-batch heuristics) only ever see base KV of the namespace.
+        return MatchKey(self._namespace(key.extra_key, key.cache_salt), None, list(key.raw_token_ids()))
+
+    # ---- tree-level API -------------------------------------------------------------------------------------
+
+    def reset(self):
+        super().reset()
+        self.tree = LoraRadixTree(page_size=self.page_size)
+        self.root_node = self.tree.root
+        self._empty_match_result = MatchResult(
+            device_prefix_len=0,
+            last_device_node=self.root_node,
+            last_host_node=self.root_node,
+            best_match_node=self.root_node,
+        )
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        if self.disable or len(params.key) == 0:
+            return self._empty_match_result
+        req = params.req
+        key = (self._key_for_req(req, params.key.raw_token_ids()) if req is not None
+               else self._key_without_req(params.key))
+        result = self.tree.match(key)
+        self._maybe_log_stats()
+        return MatchResult(
+            device_prefix_len=result.prefix_len,
+            last_device_node=result.last_node,
+            last_host_node=result.last_node,
+            best_match_node=result.last_node,
+        )
+
+    def touch_prefix(self, key) -> None:
+        return None  # access times are refreshed by match_prefix, which always carries the request
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        # Only reached by callers without a request (none on the serving path): base KV of the key's namespace.
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        key = self._key_without_req(params.key)
+        result = self.tree.insert(key, params.value.tolist())
+        return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
+
+    def checkpoint(self, req, *, up_to: int):
+        if self.disable:
+            return
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        aligned_len = len(token_ids) // self.page_size * self.page_size
+        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :aligned_len]
+        values = kv_indices.to(dtype=torch.int64, copy=True)
+        result = self.tree.insert(self._key_for_req(req, token_ids[:aligned_len]), values.tolist())
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned_len)
+        # The tree kept its own slots for [0, prefix_len): free this request's duplicates past the protected part.
+        self.token_to_kv_pool_allocator.free_segment(
+            kv_indices[req.kv.cache_protected_len : result.prefix_len], start_pos=req.kv.cache_protected_len
+        )
+        new_indices = self.path_device_indices(result.last_node)[:aligned_len]
+        assert len(new_indices) == aligned_len, (len(new_indices), aligned_len)
+        self.req_to_token_pool.write(
+            (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, aligned_len)),
+            new_indices[req.kv.cache_protected_len :],
+        )
+        req.kv.cache_protected_len = aligned_len
+        self.unlock(req.lock)
+        req.lock = self.lock(result.last_node)
+        req.last_node = result.last_node
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        start = time.perf_counter()
+        allocator = self.token_to_kv_pool_allocator
+
+        def free(values: list[int]) -> None:
+            allocator.free_segment(torch.tensor(values, dtype=torch.int64, device=self.device), start_pos=0)
+
+        num_evicted = self.tree.evict(params.num_tokens, free)
+        self.update_eviction_metrics(num_evicted, start)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    def inc_lock_ref(self, node: Node) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        before = self.tree.evictable_size()
+        self.tree.lock(node)
+        return IncLockRefResult(delta=self.tree.evictable_size() - before)
+
+    def dec_lock_ref(self, node: Node, params=None) -> DecLockRefResult:
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        before = self.tree.evictable_size()
+        self.tree.unlock(node)
+        return DecLockRefResult(delta=self.tree.evictable_size() - before)
+
+    def path_device_indices(self, node: Node) -> torch.Tensor:
+        runs = []
+        while node is not None and node.kind is NodeKind.KV:
+            runs.append(node.value)
+            node = node.parent
+        if not runs:
+            return self._empty_device_indices
+        values = [v for run in reversed(runs) for v in run]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def evictable_size(self):
+        return self.tree.evictable_size()
+
+    def protected_size(self):
+        return self.tree.protected_size()
+
+    def total_size(self):
+        return self.tree.total_size()
+
+    def all_values_flatten(self):
+        raise NotImplementedError("not used with the multilora backend")
+
+    def pretty_print(self):
+        print(self.tree.stats())
+
+    def check_invariants(self) -> None:
+        """The tree's invariants plus SGLang's view: tree sizes agree with what it reports to the scheduler."""
+        self.tree.check_invariants()
+        assert self.evictable_size() + self.protected_size() == self.total_size()
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_log < STATS_LOG_INTERVAL_S:
+            return
+        self._last_stats_log = now
+        s = self.tree.stats()
+        logger.info(
+            "multilora tree: hits %s, %d KV nodes / %d tokens (%d evictable, %d locked), %d adapters, "
+            "evicted %d tokens",
+            dict(s.hit_tokens), s.num_kv_nodes, s.total_len, s.evictable_len, s.protected_len,
+            s.num_adapter_nodes, s.num_evicted_tokens,
+        )
+
+
+def create(ctx) -> MultiLoRARadixCache:
+    """Factory registered as `--radix-cache-backend multilora` (called in the scheduler process)."""
+    unsupported = [
+        ("hierarchical cache (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
+        ("hybrid sliding-window models", ctx.is_hybrid_swa),
+        ("hybrid state-space models", ctx.is_hybrid_ssm),
+    ]
+    for what, present in unsupported:
+        if present:
+            raise ValueError(f"--radix-cache-backend {BACKEND_NAME} does not support {what} yet")
+    model_runner = getattr(ctx.tp_worker, "model_runner", None)
+    lora_manager = getattr(model_runner, "lora_manager", None)
+    return MultiLoRARadixCache(ctx.params, model_id=str(ctx.server_args.model_path), lora_manager=lora_manager)
+
+
+def register() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, create)
