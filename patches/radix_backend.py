@@ -43,6 +43,7 @@ class MultiLoRARadixCache(RadixCache):
         self.model_id = model_id
         self.lora_manager = lora_manager
         self._last_stats_log = time.monotonic()
+        self._adapter_refs: dict[str, AdapterRef] = {}  # identity -> its (immutable) key object
         super().__init__(params)
 
     # ---- keys -------------------------------------------------------------------------------------------------
@@ -51,30 +52,30 @@ class MultiLoRARadixCache(RadixCache):
         return Namespace(base_model=self.model_id, cache_salt=cache_salt, extra_key=extra_key or None)
 
     def _key_for_req(self, req, token_ids) -> MatchKey:
+        """The tree key of `req` over `token_ids` (any int sequence; the tree copies what it keeps)."""
         lora_id = getattr(req, "lora_id", None)
         extra_key = req.extra_key
         if lora_id is not None and extra_key is not None and extra_key.endswith(lora_id):
             extra_key = extra_key[: -len(lora_id)]  # SGLang appended the LoRA id: keep only the client's part
         namespace = self._namespace(extra_key, req.cache_salt)
-        spec = None
-        if lora_id is not None and self.lora_manager is not None:
-            spec = adapter_specs(self.lora_manager).get(lora_id)
-            if spec is None:
-                raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
-        tokens = list(token_ids)
+        if lora_id is None or self.lora_manager is None:
+            return MatchKey(namespace, None, token_ids)
+        spec = adapter_specs(self.lora_manager).get(lora_id)
         if spec is None:
-            return MatchKey(namespace, None, tokens)
-        adapter = AdapterRef(identity=spec.identity, name=spec.name)
+            raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
+        adapter = self._adapter_refs.get(spec.identity)
+        if adapter is None:
+            adapter = self._adapter_refs[spec.identity] = AdapterRef(identity=spec.identity, name=spec.name)
         if not spec.is_alora:
-            return MatchKey(namespace, adapter, tokens)
+            return MatchKey(namespace, adapter, token_ids)
         k = activation_start(req, spec.alora_invocation_tokens)
         if k is None:  # the adapter never activates: every token is base KV
-            return MatchKey(namespace, None, tokens)
-        return MatchKey(namespace, adapter, tokens, alora_start=k)
+            return MatchKey(namespace, None, token_ids)
+        return MatchKey(namespace, adapter, token_ids, alora_start=k)
 
     def _key_without_req(self, key) -> MatchKey:
         # Callers that pass no request (SGLang's in-batch heuristics) only ever see base KV of the namespace.
-        return MatchKey(self._namespace(key.extra_key, key.cache_salt), None, list(key.raw_token_ids()))
+        return MatchKey(self._namespace(key.extra_key, key.cache_salt), None, key.raw_token_ids())
 
     # ---- tree-level API -------------------------------------------------------------------------------------
 
