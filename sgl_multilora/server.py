@@ -20,8 +20,11 @@ from pathlib import Path
 
 
 def cpu_server_args(max_total_tokens: int = 8192) -> list[str]:
-    """The flags a CPU server needs (see shared notes: transformers model path, torch_native attention, fp32)."""
+    """The flags a CPU server needs: the transformers model path (SGLang's native models need GPU kernels),
+    torch_native attention, fp32 (the PEFT oracle's dtype), a bounded KV pool, and an idle scheduler that sleeps
+    instead of polling (an idle polling scheduler takes a whole core from everything else on a small machine)."""
     return [
+        "--sleep-on-idle",
         "--device", "cpu",
         "--model-impl", "transformers",
         "--attention-backend", "torch_native",
