@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ADAPTERS_DIR = REPO / "assets" / "adapters"
+ADAPTERS_DIR = Path(os.environ.get("MULTILORA_TEST_ADAPTERS_DIR", REPO / "assets" / "adapters"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -59,8 +59,11 @@ def saved_tensors(checkpoint: Path) -> dict[str, np.ndarray]:
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's rotary-pair permutation of attn_q/attn_k rows."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+    """Undo llama.cpp's rotary permutation of attn_q/attn_k rows.
+
+    The GGUF converter maps HF row (head, half, i) to (head, i, half); this maps it back.
+    """
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 def test_checkpoint_layout_and_config(checkpoint: Path) -> None:
@@ -125,3 +128,49 @@ def test_tokenizer_round_trip_and_chat_template(checkpoint: Path) -> None:
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer(checkpoint: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    return model, tokenizer
+
+
+def test_loaded_model_is_fp32_and_predicts_text(model_and_tokenizer) -> None:
+    """A plain-text loss guards against silently wrong numerics (e.g. uninitialised rotary buffers).
+
+    llama.cpp scores this paragraph at 2.38 nats/token with the same GGUF; a broken model scores > 4.
+    """
+    import torch
+
+    model, tokenizer = model_and_tokenizer
+    assert model.dtype == torch.float32
+    text = (
+        "Paris is the capital and largest city of France. With an estimated population of more than "
+        "two million residents, it is the centre of the Ile-de-France region. The city is a major "
+        "railway, highway, and air-transport hub served by two international airports."
+    )
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    assert loss < 2.6, f"plain-text loss {loss:.2f}: weights or rotary embedding broken"
+
+
+def test_greedy_chat_answer_mentions_paris(model_and_tokenizer) -> None:
+    import torch
+
+    model, tokenizer = model_and_tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+    assert out[0, -1].item() == tokenizer.eos_token_id, "chat answer should end with <|im_end|>"
