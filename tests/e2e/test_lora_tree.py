@@ -4,6 +4,7 @@ never see another adapter's or the base model's KV, crafted namespaces reach not
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -14,6 +15,7 @@ from tests.oracle import assert_matches
 pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 6
+CHUNK = 64  # small chunked-prefill size, so long prompts are prefilled in several steps
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def server(model_path):
     handle = start_server(
         model_path,
         ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
-         "--radix-cache-backend", "multilora"],
+         "--radix-cache-backend", "multilora", "--chunked-prefill-size", str(CHUNK)],
         name="e2e_lora_tree",
     )
     yield handle
@@ -101,6 +103,27 @@ def test_two_alora_checks_share_the_prefix_but_not_their_suffixes(server, tokeni
     generate(server, ctx + invocation_ids(tokenizer, first), first["name"])
     out = generate(server, ctx + invocation_ids(tokenizer, second), second["name"])
     assert out["meta_info"]["cached_tokens"] == len(ctx)  # the base prefix; none of `first`'s suffix KV
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1], ids=["k-before-boundary", "k-at-boundary", "k-after-boundary"])
+def test_alora_k_near_a_chunked_prefill_boundary_in_a_mixed_batch(server, tokenizer, oracle, aloras, lora, offset):
+    """k just before, at or after a chunked-prefill boundary, in a batch that also holds base, LoRA and another aLoRA
+    request with a different k: every request's output equals PEFT's."""
+    first, second = aloras[:2]
+    # Plain text (no chat template, so nothing is cached): the first aLoRA's k = 2 * CHUNK + offset.
+    words = tokenizer(f"Chunk test {offset}: " + "the quick brown fox jumps over the lazy dog " * 40,
+                      add_special_tokens=False).input_ids
+    requests_ = [
+        (first, words[: 2 * CHUNK + offset] + invocation_ids(tokenizer, first)),
+        (second, words[: CHUNK + 7] + invocation_ids(tokenizer, second)),
+        (None, words[: 2 * CHUNK]),
+        (lora, words[: 2 * CHUNK - 5]),
+    ]
+    with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
+        outs = list(pool.map(lambda r: generate(server, r[1], r[0] and r[0]["name"]), requests_))
+    for (entry, ids), out in zip(requests_, outs):
+        expected = oracle.greedy(entry and entry["path"], ids, MAX_NEW_TOKENS)
+        assert_matches(out["output_ids"], expected, f"{entry and entry['name']} chunk={CHUNK} offset={offset}")
 
 
 def test_standard_lora_never_reads_base_kv(server, tokenizer, lora):

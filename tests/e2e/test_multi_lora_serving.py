@@ -142,10 +142,10 @@ def test_load_and_unload_adapter_at_runtime(server, manifest, tokenizer, oracle)
     assert_matches(served, oracle.greedy(entry["path"], ids, MAX_NEW_TOKENS), "runtime-loaded adapter")
     response = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "runtime_copy"}, timeout=120)
     assert response.status_code == 200, response.text
-    response = requests.post(
-        server.url + "/generate", json={"input_ids": ids, "lora_path": "runtime_copy"}, timeout=60
-    )
-    assert response.status_code == 400 and "runtime_copy" in response.text
+    assert "runtime_copy" not in response.json().get("loaded_adapters", {}), response.text
+    # SGLang re-loads an unloaded adapter it has seen before when a request names it again; its output is unchanged.
+    served = generate(server, ids, "runtime_copy")["output_ids"]
+    assert_matches(served, oracle.greedy(entry["path"], ids, MAX_NEW_TOKENS), "re-loaded adapter")
 
 
 def _bad_adapter(tmp_path, manifest, edit) -> str:
