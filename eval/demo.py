@@ -1,8 +1,8 @@
 """`make demo`: a real SGLang server on CPU with the plugin, the embedded model and every bundled adapter.
 
 Sends requests to the base model and to each adapter (the standard LoRAs concurrently, so batches mix adapters),
-then a pipeline for each aLoRA check (a base answer, then the check on the same context), and prints what each
-answered with TTFT, decode tokens/s and cached tokens. Stops the server at the end, also on Ctrl-C.
+then a pipeline for each aLoRA check (a base answer, then the check on the same context, which reuses the base
+model's KV through the LoRA-aware tree), and prints what each answered with TTFT, decode tokens/s and cached tokens. Stops the server at the end, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: starting an SGLang server on CPU with {len(manifest)} adapters (about a minute)...", flush=True)
     server = launch(
         model_path,
-        [*cpu_server_args(8192), "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8"],
+        [*cpu_server_args(8192), "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
+         "--radix-cache-backend", "multilora"],
         port=args.port,
     )
     try:
