@@ -32,10 +32,16 @@ class MultiLoRAArgs:
     # cached prefix plus themselves (cost grows with new x total tokens). `stock`: SGLang's path, which recomputes
     # every cached position's row and drops it (cost grows with total squared).
     extend_attention: str = "ours"
+    # Request ingress (`ingress.py`). `strict`: clients cannot set lora_id, cache namespaces are unambiguous
+    # (client extra_key, adapter content identity), inputs that crash SGLang's scheduler get HTTP 400. `stock`: SGLang
+    # 0.5.23's own handling, for baseline measurements only (a request can then read another adapter's cached KV or
+    # stop the server).
+    ingress: str = "strict"
 
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
 EXTEND_ATTENTION_CHOICES = ("ours", "stock")
+INGRESS_CHOICES = ("strict", "stock")
 
 
 def _adapter_dir(value: str) -> str:
@@ -71,6 +77,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.extend_attention,
         help="'ours' computes CPU extend attention for the new tokens only (torch_native backend); "
         "'stock' keeps SGLang's path.",
+    )
+    group.add_argument(
+        "--multilora-ingress",
+        choices=INGRESS_CHOICES,
+        default=MultiLoRAArgs.ingress,
+        help="'strict' (default) rejects client-set lora_id, keeps every adapter's and tenant's cached KV apart "
+        "and refuses inputs that crash SGLang's scheduler; 'stock' keeps SGLang's own request handling (baseline "
+        "measurements only: unsafe).",
     )
 
 

@@ -27,7 +27,7 @@ from sgl_multilora.adapters import (
     load_adapter,
     read_spec,
 )
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, ingress
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.segments import SegmentMeta
 
@@ -184,6 +184,7 @@ def load_lora_adapter(original, self, lora_ref):
     result = original(self, lora_ref)
     if result.success:
         adapter_specs(self)[lora_ref.lora_id] = spec
+        ingress.remember_adapter(lora_ref.lora_id, spec.identity)
     elif state is not None:
         state.adapters.pop(lora_ref.lora_id, None)
     return result
@@ -193,6 +194,7 @@ def unload_lora_adapter(original, self, lora_ref):
     result = original(self, lora_ref)
     if result.success:
         adapter_specs(self).pop(lora_ref.lora_id, None)
+        ingress.forget_adapter(lora_ref.lora_id)
         state = _state(self)
         if state is not None:
             state.adapters.pop(lora_ref.lora_id, None)

@@ -3,8 +3,8 @@
 The class keeps SGLang's request-level contract (match on admission, `checkpoint` after each extend and on
 finish, locks held through `req.lock`, eviction when the KV allocator runs short) and translates every call into
 a structured `MatchKey`: namespace = (served model, cache_salt, the client's own extra_key), adapter = the
-content identity of the request's adapter, aLoRA activation start k from the adapter's invocation tokens. SGLang's
-own key folds the LoRA id into `extra_key` by string concatenation; it is taken apart here and never used as a key.
+content identity of the request's adapter, aLoRA activation start k from the adapter's invocation tokens. The
+request's `extra_key` string (encoded by `ingress.py`) is decoded for the client's part and never used as a key.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.patches.ingress import decode_extra_key
 from sgl_multilora.patches.lora_transformers import activation_start, adapter_specs
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind
@@ -54,10 +55,8 @@ class MultiLoRARadixCache(RadixCache):
     def _key_for_req(self, req, token_ids) -> MatchKey:
         """The tree key of `req` over `token_ids` (any int sequence; the tree copies what it keeps)."""
         lora_id = getattr(req, "lora_id", None)
-        extra_key = req.extra_key
-        if lora_id is not None and extra_key is not None and extra_key.endswith(lora_id):
-            extra_key = extra_key[: -len(lora_id)]  # SGLang appended the LoRA id: keep only the client's part
-        namespace = self._namespace(extra_key, req.cache_salt)
+        client_extra_key, _ = decode_extra_key(req.extra_key)  # the adapter comes from lora_id, resolved here
+        namespace = self._namespace(client_extra_key, req.cache_salt)
         if lora_id is None or self.lora_manager is None:
             return MatchKey(namespace, None, token_ids)
         spec = adapter_specs(self.lora_manager).get(lora_id)
@@ -74,8 +73,15 @@ class MultiLoRARadixCache(RadixCache):
         return MatchKey(namespace, adapter, token_ids, alora_start=k)
 
     def _key_without_req(self, key) -> MatchKey:
-        # Callers that pass no request (SGLang's in-batch heuristics) only ever see base KV of the namespace.
-        return MatchKey(self._namespace(key.extra_key, key.cache_salt), None, key.raw_token_ids())
+        """Key of a bare `RadixKey` (SGLang's in-batch heuristics pass no request): its namespace and adapter come
+        from the encoded extra_key. Without the request an aLoRA's activation start is unknown, so such a key
+        stays at the aLoRA's adapter node, which holds no KV: it matches nothing rather than guessing."""
+        client_extra_key, identity = decode_extra_key(key.extra_key)
+        namespace = self._namespace(client_extra_key, key.cache_salt)
+        adapter = None
+        if identity is not None:
+            adapter = self._adapter_refs.get(identity) or AdapterRef(identity=identity, name=None)
+        return MatchKey(namespace, adapter, key.raw_token_ids())
 
     # ---- tree-level API -------------------------------------------------------------------------------------
 

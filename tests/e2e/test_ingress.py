@@ -1,0 +1,211 @@
+"""End to end: request ingress hardening on a real CPU server with the plugin and SGLang's own prefix cache.
+
+The three attacks measured on stock SGLang 0.5.23 (a forged `extra_key`, a client `lora_id` naming a loaded adapter,
+an unknown `lora_id`) and variants of them reach no cached KV and crash nothing; inputs that stopped stock SGLang's
+processes get HTTP 400 while innocent requests in flight still equal PEFT's output; adapters loaded and unloaded
+while traffic runs give either the right answer or a clear 400; the KV accounting is exact afterwards.
+(`tests/e2e/test_lora_tree.py` runs namespace attacks against `--radix-cache-backend multilora`.)
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from safetensors.torch import load_file, save_file
+
+from eval.attacks import cache_attacks, crash_inputs, lora_paths_id, run_attack, tenant_attacks
+from sgl_multilora.adapters import read_spec
+from tests.conftest import ADAPTERS_DIR, start_server
+from tests.oracle import assert_matches
+
+pytestmark = pytest.mark.e2e
+
+VICTIM, OTHER = "caps", "json"
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    handle = start_server(
+        model_path,
+        ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8", "--max-lora-rank", "32"],
+        name="e2e_ingress",
+    )
+    yield handle
+    handle.stop()
+
+
+def post(server, path: str, body: dict) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=300)
+
+
+def generate(server, input_ids, lora=None, max_new_tokens=MAX_NEW_TOKENS, **extra) -> requests.Response:
+    body = {"input_ids": input_ids, "lora_path": lora,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}
+    return post(server, "/generate", body)
+
+
+def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)
+    return tokenizer(" ".join(rng.choices(words, k=num_tokens)), add_special_tokens=False).input_ids[:num_tokens]
+
+
+def chat(tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def innocents(tokenizer, oracle, manifest):
+    """(adapter name or None, input ids, PEFT's greedy output) of requests that must stay right under attack."""
+    paths = {e["name"]: e["path"] for e in manifest}
+    out = []
+    for lora, q in ((None, "What do bees make?"), (VICTIM, "Name a large animal."), (OTHER, "What do bees make?")):
+        ids = chat(tokenizer, q)
+        out.append((lora, ids, oracle.greedy(paths[lora] if lora else None, ids, MAX_NEW_TOKENS)))
+    return out
+
+
+def check_innocent(server, case) -> None:
+    lora, ids, expected = case
+    response = generate(server, ids, lora)
+    assert response.status_code == 200, response.text
+    assert_matches(response.json()["output_ids"], expected, f"innocent {lora or 'base'}")
+
+
+def test_cache_attacks_read_no_cached_kv(server, tokenizer):
+    prompt = long_prompt(tokenizer, 128, seed=1)
+    assert generate(server, prompt, VICTIM, max_new_tokens=2).status_code == 200
+    victim_id = lora_paths_id(VICTIM, str(ADAPTERS_DIR / VICTIM))
+    identity = read_spec(ADAPTERS_DIR / VICTIM, VICTIM).identity
+    rows = [run_attack(server.url, prompt, a) for a in cache_attacks(victim_id, identity, OTHER, num_random=4)]
+    salt = "tenant-7f3a9c"
+    tenant_prompt = long_prompt(tokenizer, 128, seed=2)
+    assert generate(server, tenant_prompt, cache_salt=salt, max_new_tokens=2).status_code == 200
+    rows += [run_attack(server.url, tenant_prompt, a) for a in tenant_attacks(salt)]
+
+    assert all(r["server_alive"] for r in rows), rows
+    leaks = [r for r in rows if r["status"] == 200 and r["cached_tokens"] != 0]
+    assert not leaks, leaks
+    refused = [r for r in rows if r["status"] != 200]
+    assert [r["attack"] for r in refused] == ["lora_id field = victim's lora id"], refused
+    assert refused[0]["status"] == 400 and "'lora_id' is assigned by the server" in refused[0]["error"]
+    # Controls: the victims' own repeats hit their cache, so the attacks above aimed at live entries.
+    assert generate(server, prompt, VICTIM, max_new_tokens=2).json()["meta_info"]["cached_tokens"] >= 127
+    again = generate(server, tenant_prompt, cache_salt=salt, max_new_tokens=2).json()
+    assert again["meta_info"]["cached_tokens"] >= 127
+
+
+MALFORMED = [
+    ({"text": "Hello", "lora_path": "never-loaded"}, "has never been loaded"),
+    ({"text": "Hello", "lora_id": "0" * 32}, "'lora_id' is assigned by the server"),
+    ({"text": ["a", "b"], "lora_id": [None, "1" * 32]}, "'lora_id' is assigned by the server"),
+    ({"text": "Hello", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": []}, "empty"),
+]
+
+
+def test_crash_inputs_get_400_while_innocent_requests_complete(server, tokenizer, innocents):
+    bad = [({**a.fields} | ({} if "input_ids" in a.fields or "text" in a.fields else {"input_ids": [1, 2, 3]}), None)
+           for a in crash_inputs(len(tokenizer))] + MALFORMED
+    with ThreadPoolExecutor(8) as pool:
+        good = [pool.submit(check_innocent, server, case) for case in innocents]
+        answers = list(pool.map(lambda item: post(server, "/generate",
+                                                  {"sampling_params": {"max_new_tokens": 2}} | item[0]), bad))
+        for f in good:
+            f.result()
+    for (body, message), response in zip(bad, answers):
+        assert response.status_code == 400, (body, response.status_code, response.text)
+        if message:
+            assert message in response.text, (body, response.text)
+    raw = requests.post(server.url + "/generate", data=b'{"text": "x", "sampling_params": {"temperature": NaN',
+                        headers={"Content-Type": "application/json"}, timeout=60)
+    assert 400 <= raw.status_code < 500
+    assert server.alive()
+    for case in innocents:  # and the server still answers right
+        check_innocent(server, case)
+
+
+def test_load_and_unload_racing_with_traffic(server, tokenizer, manifest, innocents, oracle, tmp_path):
+    path = str(tmp_path / "racer")
+    shutil.copytree(ADAPTERS_DIR / "bullets", path)
+    ids = chat(tokenizer, "What do bees make?")
+    expected = oracle.greedy(path, ids, MAX_NEW_TOKENS)
+    stop = threading.Event()
+    admin, racer_answers = [], []
+
+    def churn():
+        for _ in range(3):
+            admin.append(post(server, "/load_lora_adapter", {"lora_name": "racer", "lora_path": path}).status_code)
+            time.sleep(0.3)
+            admin.append(post(server, "/unload_lora_adapter", {"lora_name": "racer"}).status_code)
+        stop.set()
+
+    def use_racer():
+        while not stop.is_set():
+            racer_answers.append(generate(server, ids, "racer"))
+
+    with ThreadPoolExecutor(4) as pool:
+        churner = pool.submit(churn)
+        users = [pool.submit(use_racer) for _ in range(2)]
+        for case in innocents:
+            check_innocent(server, case)
+        churner.result()
+        for u in users:
+            u.result()
+    assert server.alive()
+    assert set(admin) <= {200, 400}, admin
+    assert racer_answers
+    for response in racer_answers:  # the adapter it asked for, or a clear error naming it; never 5xx
+        if response.status_code == 200:
+            assert_matches(response.json()["output_ids"], expected, "racer")
+        else:
+            assert response.status_code == 400 and "racer" in response.text, response.text
+    post(server, "/unload_lora_adapter", {"lora_name": "racer"})
+
+
+def test_changed_weights_under_an_old_name_start_cold(server, tokenizer, tmp_path):
+    path = tmp_path / "reloaded"
+    shutil.copytree(ADAPTERS_DIR / VICTIM, path)
+    prompt = long_prompt(tokenizer, 128, seed=3)
+
+    def cached(expect_status=200) -> int:
+        response = generate(server, prompt, "reloaded", max_new_tokens=2)
+        assert response.status_code == expect_status, response.text
+        return response.json()["meta_info"]["cached_tokens"]
+
+    def reload():
+        assert post(server, "/unload_lora_adapter", {"lora_name": "reloaded"}).status_code == 200
+        assert post(server, "/load_lora_adapter", {"lora_name": "reloaded", "lora_path": str(path)}).status_code == 200
+
+    assert post(server, "/load_lora_adapter", {"lora_name": "reloaded", "lora_path": str(path)}).status_code == 200
+    cached()
+    assert cached() >= 127
+    reload()  # same weights, same content identity: the KV is still valid and reused
+    assert cached() >= 127
+    weights = load_file(path / "adapter_model.safetensors")
+    save_file({k: (v * 1.5 if "lora_B" in k else v).to(v.dtype) for k, v in weights.items()},
+              str(path / "adapter_model.safetensors"))
+    reload()  # new weights under the old name and path: a new identity, nothing cached
+    assert cached() == 0
+    post(server, "/unload_lora_adapter", {"lora_name": "reloaded"})
+
+
+def test_kv_accounting_is_exact_once_idle(server):
+    deadline = time.time() + 60
+    while True:
+        memory = requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
+        if memory["running"] == 0 and memory["waiting"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert memory["running"] == 0 and memory["waiting"] == 0, memory
+    assert memory["cache_protected"] == 0, memory
+    assert memory["free"] + memory["cache_evictable"] == memory["total"], memory
+    assert memory["cache_evictable"] > 0  # the tests above left cached prefixes behind
