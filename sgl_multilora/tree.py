@@ -264,6 +264,20 @@ class LoraRadixTree(RadixOps):
                 heapq.heappush(heap, (score(parent, now), parent.id, parent))
         return num_evicted
 
+    def evictable_leaves(self) -> list[Node]:
+        """The unlocked KV leaves, i.e. the candidates `evict` considers (a snapshot). Does not modify the tree.
+
+        For an external evictor that orders KV leaves and adapter nodes together (the unified pool)."""
+        return [n for n in self._leaves if n.lock_ref == 0]
+
+    def evict_leaf(self, node: Node, free_fn: FreeFn) -> int:
+        """Evicts one unlocked KV leaf the caller chose; returns its tokens (its slots go to `free_fn`).
+
+        Raises ValueError unless `node` is an attached, unlocked KV leaf of this tree."""
+        if node not in self._leaves or node.lock_ref != 0:
+            raise ValueError(f"evict_leaf needs an unlocked KV leaf of this tree, got {node}")
+        return self._evict_leaf(node, free_fn)
+
     def evictable_size(self) -> int:
         return self._evictable_len
 

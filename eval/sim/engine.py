@@ -1,0 +1,284 @@
+"""The event loop: continuous batching with chunked prefill over a simulated system, one step at a time.
+
+Lives here: `SimConfig`, `SimRun` (results + memory samples + summary) and `simulate`. Not here: the systems'
+memory and cache decisions (`systems/`) or step costs (`latency.py`).
+
+Each step: copies that finished complete; requests that arrived join the waiting queue (a follow-up turn waits
+for its parent's reply, as a real client must); waiting requests are admitted first come, first served (one
+that waits for its adapter or a slot lets the next go; one that lacks KV memory stops admission); the batch is
+the prefill chunks (at most `chunk_tokens` per step) plus one decode token per decoding request; the clock
+advances by the latency model's step time. When nothing can run, the clock jumps to the next arrival or copy.
+Every admitted request reserves KV for its whole prompt and output, so no request is ever preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eval.requests import AdapterInfo, Request, RequestResult
+from eval.sim.latency import LatencyModel
+from eval.sim.memory import pool_bytes
+from eval.sim.systems import create_system
+from eval.sim.systems.base import ALORA_INVOCATION_TOKENS, Admit, BaseSystem, SimRequest
+from eval.sim.tokens import build_tokens
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """`chunk_tokens`: SGLang's chunked-prefill size (8192 on an 80 GB GPU). `max_running`: cap on running
+    requests. `scan_limit`: waiting requests examined per step. `sample_period_s`: memory-sample period.
+    `check_every_step`: run every invariant checker after each step (tests)."""
+
+    chunk_tokens: int = 8192
+    max_running: int = 256
+    scan_limit: int = 512
+    sample_period_s: float = 1.0
+    check_every_step: bool = False
+    pool_bytes: int | None = None  # default: memory.pool_bytes(latency model)
+
+
+@dataclass
+class SimRun:
+    arm: str
+    results: list[RequestResult]
+    samples: list[dict]
+    summary: dict = field(default_factory=dict)
+    system: BaseSystem | None = None  # the system at the end of the run (tests inspect it)
+
+
+def _sim_requests(adapters: tuple[AdapterInfo, ...], requests: tuple[Request, ...],
+                  invocation_tokens: int) -> list[SimRequest]:
+    tokens = build_tokens(requests)
+    index = {a.name: i for i, a in enumerate(adapters)}
+    kinds = {a.name: a.kind for a in adapters}
+    out = []
+    for r in requests:
+        if r.adapter is not None and r.adapter not in index:
+            raise ValueError(f"request {r.rid} names adapter {r.adapter!r}, not in the workload's adapters")
+        prompt, output = tokens[r.rid]
+        start = None
+        if r.adapter is not None and kinds[r.adapter] == "alora" and r.alora_invocation:
+            start = max(0, len(prompt) - invocation_tokens)
+        out.append(SimRequest(r, prompt, output, index.get(r.adapter, -1), start, submit_s=r.arrival_s))
+    return out
+
+
+def simulate(arm: str, adapters, requests, experiment: str = "sim", lat: LatencyModel | None = None,
+             config: SimConfig = SimConfig(), alora_invocation_tokens: int = ALORA_INVOCATION_TOKENS) -> SimRun:
+    """Runs one arm over a workload (its `AdapterInfo`s and `Request`s); deterministic (no randomness).
+    Raises ValueError for a malformed workload and RuntimeError if a request can never be admitted."""
+    lat = lat or LatencyModel()
+    adapters = tuple(adapters)
+    system = create_system(arm, adapters, lat, config.pool_bytes or pool_bytes(lat))
+    reqs = _sim_requests(adapters, tuple(requests), alora_invocation_tokens)
+    return _Loop(system, reqs, lat, config, experiment).run()
+
+
+class _Loop:
+    """Decoding requests are kept as aggregates (count, context sum, adapters in use) and a heap of the step
+    at which each finishes, so a step costs O(prefilling + finishing requests), not O(running)."""
+
+    def __init__(self, system: BaseSystem, reqs: list[SimRequest], lat: LatencyModel, config: SimConfig,
+                 experiment: str) -> None:
+        self.system, self.lat, self.cfg, self.experiment = system, lat, config, experiment
+        self.children: dict[str, list[SimRequest]] = {}
+        self.arrivals: list[tuple[float, int, SimRequest]] = []
+        for i, sr in enumerate(reqs):
+            parent = sr.req.parent_rid
+            if parent is not None:
+                self.children.setdefault(parent, []).append(sr)
+            else:
+                self.arrivals.append((sr.submit_s, i, sr))
+        heapq.heapify(self.arrivals)
+        self._seq = len(reqs)
+        self.waiting: list[SimRequest] = []
+        self.prefilling: list[SimRequest] = []
+        self.num_decoding = 0
+        self.decode_ctx = 0  # sum of the decoding requests' context lengths
+        self.decode_lora = 0  # decoding requests that use an adapter
+        self.decode_adapters: dict[str, int] = {}  # adapter -> decoding requests using it
+        self.finish_heap: list[tuple[int, int, SimRequest]] = []
+        self.step_no = 0
+        self.samples: list[dict] = []
+        self.done: list[SimRequest] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + self.num_decoding
+
+    def run(self) -> SimRun:
+        system, now = self.system, 0.0
+        next_sample = 0.0
+        while True:
+            system.tick(now)
+            while self.arrivals and self.arrivals[0][0] <= now:
+                sr = heapq.heappop(self.arrivals)[2]
+                system.submit(sr)
+                self.waiting.append(sr)
+            self._admit(now)
+            if now >= next_sample:
+                self.samples.append({"t_s": now, **system.sample()})
+                next_sample = now + self.cfg.sample_period_s
+            dt, prefill = self._step()
+            if dt == 0.0:
+                nxt = [t for t in (self.arrivals[0][0] if self.arrivals else None, system.next_event_s())
+                       if t is not None]
+                if not nxt:
+                    if self.waiting or self.num_running:
+                        head = (self.waiting or self.prefilling)[0].req.rid
+                        raise RuntimeError(f"{system.name}: request {head} can never be admitted (its KV or "
+                                           f"adapter does not fit in the pool)")
+                    break
+                now = max(now, min(nxt))
+                continue
+            system.usage.record_batch(now, self.num_running)
+            now += dt
+            system.now = now
+            self._advance(now, prefill)
+            if self.cfg.check_every_step:
+                system.check_invariants()
+                self._check_aggregates()
+        return SimRun(system.name, [self._result(sr) for sr in self.done], self.samples, self._summary(),
+                      system)
+
+    def _admit(self, now: float) -> None:
+        cfg, system = self.cfg, self.system
+        backlog = sum(len(sr.prompt) - sr.computed for sr in self.prefilling)
+        kept: list[SimRequest] = []
+        for i, sr in enumerate(self.waiting):
+            if i >= cfg.scan_limit or self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
+                kept.extend(self.waiting[i:])
+                break
+            status = system.try_admit(sr)
+            if status is Admit.OK:
+                sr.admit_s = now
+                sr.computed = sr.cached
+                self.prefilling.append(sr)
+                backlog += len(sr.prompt) - sr.cached
+            elif status is Admit.NO_MEMORY:
+                kept.extend(self.waiting[i:])
+                break
+            else:
+                kept.append(sr)
+        self.waiting = kept
+
+    def _step(self) -> tuple[float, list[tuple[SimRequest, int]]]:
+        budget = self.cfg.chunk_tokens
+        prefill = []
+        pairs = 0.0
+        lora_tokens = self.decode_lora
+        weights = sum(self.system.weight_bytes[a] for a in self.decode_adapters)
+        extra: set[str] = set()
+        for sr in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, len(sr.prompt) - sr.computed)
+            budget -= n
+            prefill.append((sr, n))
+            pairs += n * sr.computed + n * (n + 1) / 2
+            name = sr.req.adapter
+            if name is not None:
+                lora_tokens += n
+                if name not in self.decode_adapters and name not in extra:
+                    extra.add(name)
+                    weights += self.system.weight_bytes[name]
+        num_prefill = sum(n for _, n in prefill)
+        dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, lora_tokens, weights)
+        if dt:
+            dt += self.system.take_stall()
+        return dt, prefill
+
+    def _advance(self, now: float, prefill: list[tuple[SimRequest, int]]) -> None:
+        self.step_no += 1
+        self.decode_ctx += self.num_decoding  # every decoding request grew by one token
+        finished = []
+        while self.finish_heap and self.finish_heap[0][0] <= self.step_no:
+            sr = heapq.heappop(self.finish_heap)[2]
+            self._leave_decode(sr)
+            finished.append(sr)
+        for sr, n in prefill:
+            sr.computed += n
+            if sr.computed == len(sr.prompt):
+                sr.first_token_s = now
+                if len(sr.output) == 1:
+                    finished.append(sr)
+                else:
+                    self._enter_decode(sr)
+        if prefill:
+            self.prefilling = [sr for sr in self.prefilling if sr.first_token_s is None]
+        for sr in finished:
+            sr.generated = len(sr.output)
+            sr.finish_s = now
+            self.system.finish(sr)
+            self.done.append(sr)
+            for child in self.children.pop(sr.req.rid, ()):
+                child.submit_s = max(child.req.arrival_s, now)
+                self._seq += 1
+                heapq.heappush(self.arrivals, (child.submit_s, self._seq, child))
+
+    def _enter_decode(self, sr: SimRequest) -> None:
+        """After its first token: decodes the other len(output) - 1 in the next steps."""
+        self.num_decoding += 1
+        self.decode_ctx += len(sr.prompt) + 1
+        self._seq += 1
+        heapq.heappush(self.finish_heap, (self.step_no + len(sr.output) - 1, self._seq, sr))
+        name = sr.req.adapter
+        if name is not None:
+            self.decode_lora += 1
+            self.decode_adapters[name] = self.decode_adapters.get(name, 0) + 1
+
+    def _leave_decode(self, sr: SimRequest) -> None:
+        self.num_decoding -= 1
+        self.decode_ctx -= len(sr.prompt) + len(sr.output)
+        name = sr.req.adapter
+        if name is not None:
+            self.decode_lora -= 1
+            self.decode_adapters[name] -= 1
+            if not self.decode_adapters[name]:
+                del self.decode_adapters[name]
+
+    def _check_aggregates(self) -> None:
+        """Recomputes the decode aggregates from the heap (each entry: finish step, request)."""
+        entries = [(step, sr) for step, _, sr in self.finish_heap]
+        assert len(entries) == self.num_decoding, "decode count out of step"
+        ctx = sum(len(sr.prompt) + len(sr.output) - (step - self.step_no) for step, sr in entries)
+        assert ctx == self.decode_ctx, f"decode context sum {self.decode_ctx} != {ctx}"
+        assert self.decode_lora == sum(sr.req.adapter is not None for _, sr in entries), "LoRA count drifted"
+
+    def _result(self, sr: SimRequest) -> RequestResult:
+        out = len(sr.output)
+        tpot = (sr.finish_s - sr.first_token_s) / (out - 1) if out > 1 else 0.0
+        return RequestResult(
+            experiment=self.experiment, arm=self.system.name, rid=sr.req.rid, adapter=sr.req.adapter,
+            arrival_s=sr.req.arrival_s, prompt_tokens=len(sr.prompt), output_tokens=out,
+            cached_tokens=sr.cached, ttft_s=sr.first_token_s - sr.submit_s, tpot_s=tpot,
+            e2e_s=sr.finish_s - sr.submit_s,
+            extra={"simulated": True, "submit_s": sr.submit_s, "queue_s": sr.admit_s - sr.submit_s,
+                   "adapter_was_resident": sr.adapter_was_resident},
+        )
+
+    def _summary(self) -> dict:
+        ttft = np.array([sr.first_token_s - sr.submit_s for sr in self.done])
+        res = [self._result(sr) for sr in self.done]
+        tpot = np.array([r.tpot_s for r in res if r.output_tokens > 1])
+        prompt = sum(len(sr.prompt) for sr in self.done)
+        cached = sum(sr.cached for sr in self.done)
+        with_adapter = [sr for sr in self.done if sr.req.adapter is not None]
+        kv = sum(s["kv_cached"] for s in self.samples)
+        invalid = sum(s["invalid_kv"] for s in self.samples)
+        return {
+            "arm": self.system.name, "num_requests": len(self.done),
+            "ttft_mean_s": float(ttft.mean()) if len(ttft) else None,
+            "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+            "tpot_mean_s": float(tpot.mean()) if len(tpot) else None,
+            "kv_hit_rate": cached / prompt if prompt else 0.0,
+            "adapter_hit_rate": (sum(sr.adapter_was_resident for sr in with_adapter) / len(with_adapter)
+                                 if with_adapter else None),
+            "invalid_kv_share": invalid / kv if kv else 0.0,
+            "num_adapter_loads": self.system.num_loads,
+            "makespan_s": max((sr.finish_s for sr in self.done), default=0.0),
+        }

@@ -1,0 +1,25 @@
+"""The interface every eviction policy implements.
+
+Lives here: `BasePolicy`. Not here: concrete scores (one file each) and the inputs they read (`context.py`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class BasePolicy:
+    """A pure score: `score(item, now) -> float`, higher means keep.
+
+    `item` is a tree `Node` (KV or adapter) or an `AdapterRecord` (an adapter the tree does not hold, e.g.
+    one on the host tier being considered for a prefetch). A policy never modifies the item or its context.
+    Instances are callable, so one can be passed as the tree's `ScoreFn`.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def score(self, item: object, now: float) -> float:
+        raise NotImplementedError
+
+    def __call__(self, item: object, now: float) -> float:
+        return self.score(item, now)

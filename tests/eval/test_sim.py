@@ -1,0 +1,263 @@
+"""The GPU-scale simulator: latency model against hand-computed figures, exact memory accounting at every step,
+the dependency invariant, invalid KV, history and aLoRA reuse, determinism and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.requests import AdapterInfo, Request
+from eval.sim.engine import SimConfig, simulate
+from eval.sim.latency import LatencyModel
+from eval.sim.memory import MemoryPool, pool_bytes
+from eval.sim.systems.base import NS
+from eval.workloads.chatbot import ChatbotParams, generate
+from sgl_multilora.tree_nodes import NodeKind
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ARMS = ["vllm", "slora", "sglang", "ours:elora", "ours:lru", "ours:chameleon", "ours:elora:no-tree",
+        "ours:elora:-visit"]
+LAT = LatencyModel()
+KVB = 131072
+HBM = 3.35e12 * 0.85
+FLOPS = 989.5e12 * 0.6
+
+
+def req(rid, t, new, out, adapter=None, parent=None, history=0, session="s", turn=0, alora=False):
+    return Request(rid, t, session, turn, adapter, parent, history, new, out, alora_invocation=alora)
+
+
+def chat(num_conversations=30, num_adapters=6, seed=0, rank=(8, 16), modules=("q_proj", "v_proj")):
+    w = generate(ChatbotParams(num_conversations=num_conversations, num_adapters=num_adapters, ranks=rank,
+                               conversation_rate=2.0, think_time_s=4.0, mean_turns=3.0, mean_new_tokens=40.0,
+                               mean_output_tokens=12.0, system_tokens=16), seed)
+    return tuple(AdapterInfo(a.name, a.rank, a.kind, modules) for a in w.adapters), w.requests
+
+
+# ---- latency and memory models ---------------------------------------------------------------------------
+
+def test_latency_model_hand_computed():
+    # decode of one token at empty context: reading 16.06 GB of weights at 85% of 3.35 TB/s
+    assert LAT.step_time(0, 0, 1, 0, 0, 0) == pytest.approx(16.06e9 / HBM, rel=1e-12)
+    assert LAT.step_time(0, 0, 1, 0, 0, 0) == pytest.approx(5.6400e-3, rel=1e-4)
+    # + 1000 tokens of context: 1000 x 128 KiB more
+    assert LAT.step_time(0, 0, 1, 1000, 0, 0) == pytest.approx((16.06e9 + 1000 * KVB) / HBM, rel=1e-12)
+    # prefill of 4096 tokens: compute-bound linear layers + causal attention (4 * 32 * 4096 per pair)
+    pairs = 4096 * 4097 / 2
+    expect = 4096 * 2 * 8.03e9 / FLOPS + 4 * 32 * 4096 * pairs / FLOPS
+    assert LAT.prefill_time(4096) == pytest.approx(expect, rel=1e-12)
+    assert LAT.prefill_time(4096) == pytest.approx(0.11821, rel=1e-3)
+    assert LAT.recompute_s_per_token() == pytest.approx(27e-6, rel=0.01)  # perf-anchors 5: ~27 us at 60% MFU
+    # a step with adapter tokens adds the launch floor + weight and activation traffic
+    lora = LAT.step_time(0, 0, 2, 0, 2, 100_000_000) - LAT.step_time(0, 0, 2, 0, 0, 0)
+    assert lora == pytest.approx(256 * 4e-6 + (100e6 + 2 * 7.2e6) / HBM, rel=1e-12)
+    assert LAT.step_time(0, 0, 0, 0, 0, 0) == 0.0
+
+
+def test_adapter_sizes_and_copies_match_published_figures():
+    assert LAT.model.adapter_bytes(32, ("q_proj", "k_proj", "v_proj", "o_proj")) == 54_525_952  # 54.5 MB
+    assert LAT.model.adapter_bytes(64, ALL) == 335_544_320  # perf-anchors 2.2: 335.5 MB
+    assert LAT.h2d_time(335_544_320) == pytest.approx(6.71e-3 + 10e-6, rel=1e-3)  # 6.71 ms at 50 GB/s
+    assert LAT.model.kv_bytes_per_token == KVB
+    with pytest.raises(ValueError, match="unknown target modules"):
+        LAT.model.adapter_bytes(8, ("qkv_proj",))
+    assert pool_bytes(LAT) == int(81_559 * 2**20 * 0.88) - 16_060_000_000
+
+
+def test_memory_pool_checks_first():
+    pool = MemoryPool({"all": 100})
+    pool.alloc("all", "kv_running", 60)
+    pool.move("all", "kv_running", "kv_cached", 20)
+    assert pool.by_kind() == {"adapter": 0, "kv_cached": 20, "kv_running": 40, "in_flight": 0, "free": 40}
+    assert not pool.fits("all", 41)
+    with pytest.raises(AssertionError, match="call fits"):
+        pool.alloc("all", "adapter", 41)
+    with pytest.raises(AssertionError, match="only 20 B"):
+        pool.free("all", "kv_cached", 21)
+    pool.check_invariants()
+
+
+# ---- timelines against hand computation ------------------------------------------------------------------
+
+def test_single_request_timeline_hand_computed():
+    run = simulate("ours:elora", (), [req("r", 1.0, 1000, 3)])
+    r = run.results[0]
+    prefill = 1000 * 2 * 8.03e9 / FLOPS + 4 * 32 * 4096 * (1000 * 1001 / 2) / FLOPS
+    decode1 = (16.06e9 + 1001 * KVB) / HBM
+    decode2 = (16.06e9 + 1002 * KVB) / HBM
+    assert r.ttft_s == pytest.approx(prefill, rel=1e-12)
+    assert r.e2e_s == pytest.approx(prefill + decode1 + decode2, rel=1e-12)
+    assert r.tpot_s == pytest.approx((decode1 + decode2) / 2, rel=1e-12)
+    assert r.cached_tokens == 0 and r.extra["simulated"] is True
+
+
+@pytest.mark.parametrize("arm,reused", [("vllm", True), ("sglang", True), ("ours:elora", True),
+                                        ("slora", False)])
+def test_second_turn_reuses_history(arm, reused):
+    ads = (AdapterInfo("a", 16),)
+    reqs = [req("t0", 0.0, 300, 50, "a"), req("t1", 5.0, 40, 10, "a", parent="t0", history=350, turn=1)]
+    run = simulate(arm, ads, reqs, config=SimConfig(check_every_step=True))
+    t1 = next(r for r in run.results if r.rid == "t1")
+    assert t1.cached_tokens == (350 if reused else 0)
+
+
+def test_follow_up_turn_waits_for_its_parent():
+    ads = (AdapterInfo("a", 16),)
+    reqs = [req("t0", 0.0, 300, 400, "a"), req("t1", 0.5, 40, 10, "a", parent="t0", history=700, turn=1)]
+    run = simulate("vllm", ads, reqs)
+    t0, t1 = sorted(run.results, key=lambda r: r.rid)
+    assert t1.extra["submit_s"] == pytest.approx(t0.arrival_s + t0.e2e_s) and t1.cached_tokens == 700
+
+
+def test_alora_check_reads_base_prefix_only_in_ours():
+    ads = (AdapterInfo("check", 32, kind="alora"),)
+    reqs = [req("base", 0.0, 500, 100), req("chk", 5.0, 5, 5, "check", parent="base", history=600, turn=1,
+                                          alora=True)]
+    for arm, cached in [("ours:elora", 600), ("vllm", 0), ("sglang", 0)]:
+        run = simulate(arm, ads, reqs, config=SimConfig(check_every_step=True))
+        assert next(r for r in run.results if r.rid == "chk").cached_tokens == cached, arm
+
+
+# ---- accounting, determinism, dependency, invalid KV ----------------------------------------------------
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_memory_accounting_exact_every_step(arm):
+    ads, reqs = chat()
+    total = 500_000_000  # small enough to evict: ~3.8k tokens of KV
+    run = simulate(arm, ads, reqs, config=SimConfig(check_every_step=True, pool_bytes=total))
+    assert len(run.results) == len(reqs)
+    for s in run.samples:  # every sample adds up, independently of the system's own checker
+        assert s["free"] + s["adapter"] + s["kv_cached"] + s["kv_running"] + s["in_flight"] == total
+    if arm != "slora":
+        assert run.system.tree.stats().num_evicted_tokens > 0, "the pool never filled: the test is too easy"
+
+
+def test_deterministic_for_a_seed():
+    ads, reqs = chat(seed=3)
+    a = simulate("ours:elora", ads, reqs, config=SimConfig(pool_bytes=500_000_000))
+    b = simulate("ours:elora", ads, reqs, config=SimConfig(pool_bytes=500_000_000))
+    assert [json.dumps(r.to_json()) for r in a.results] == [json.dumps(r.to_json()) for r in b.results]
+    assert a.samples == b.samples and a.summary == b.summary
+    other = chat(seed=4)[1]
+    assert [r.arrival_s for r in other] != [r.arrival_s for r in reqs]
+
+
+_RUN_SNIPPET = """
+import json, sys
+sys.path.insert(0, ".")
+from tests.eval.test_sim import chat
+from eval.sim.engine import SimConfig, simulate
+ads, reqs = chat(num_conversations=40, num_adapters=24, rank=(64,), seed=1,
+                 modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+run = simulate("ours:elora", ads, reqs, config=SimConfig(pool_bytes=3_000_000_000))
+print(json.dumps([r.to_json() for r in run.results], sort_keys=True))
+"""
+
+
+def test_deterministic_across_processes():
+    """Set iteration order (hash seeds, object addresses) must not leak into eviction order."""
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run([sys.executable, "-c", _RUN_SNIPPET], capture_output=True, text=True, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1] and len(outs[0]) > 1000
+
+
+def _invalid_tokens_by_walk(system) -> int:
+    """Brute force: KV tokens below adapter nodes (and aLoRA suffixes) whose adapter is not resident."""
+    ns_node = system.tree.namespace_node(NS)
+    total = 0
+    for identity, top in ns_node.children.items():
+        if identity is None or identity in system.resident:
+            continue
+        stack = list(top.children.values()) + list(top.dependents)
+        while stack:
+            node = stack.pop()
+            total += len(node.key)
+            stack.extend(node.children.values())
+    return total
+
+
+def test_dependency_tree_keeps_invalid_kv_at_zero_and_no_tree_does_not():
+    # 24 rank-64 all-linear adapters (336 MB each) and a 3 GB pool: adapters must leave while KV stays
+    ads, reqs = chat(num_conversations=40, num_adapters=24, rank=(64,), modules=ALL, seed=1)
+    cfg = SimConfig(pool_bytes=3_000_000_000, check_every_step=True)
+    ours = simulate("ours:elora", ads, reqs, config=cfg)
+    loose = simulate("ours:elora:no-tree", ads, reqs, config=cfg)
+    assert all(s["invalid_kv"] == 0 for s in ours.samples)
+    assert _invalid_tokens_by_walk(ours.system) == 0
+    for node in ours.system.tree.namespace_node(NS).children.values():  # adapter node <=> resident
+        if node.kind is NodeKind.ADAPTER:
+            assert node.label.identity in ours.system.resident
+    assert max(s["invalid_kv"] for s in loose.samples) > 0 and loose.summary["invalid_kv_share"] > 0
+    assert _invalid_tokens_by_walk(loose.system) * KVB == loose.system.invalid_kv_bytes()
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+
+def test_bad_input_is_named():
+    ads = (AdapterInfo("a", 16),)
+    with pytest.raises(ValueError, match="r1 names adapter 'b'"):
+        simulate("vllm", ads, [req("r1", 0.0, 10, 2, "b")])
+    with pytest.raises(ValueError, match="history_tokens 5"):
+        simulate("vllm", ads, [req("r0", 0.0, 10, 2), req("r1", 1.0, 3, 2, parent="r0", history=5)])
+    with pytest.raises(ValueError, match="unknown arm"):
+        simulate("tgi", ads, [req("r0", 0.0, 10, 2)])
+    with pytest.raises(ValueError, match="unknown suffix"):
+        simulate("ours:lru:-cost", ads, [req("r0", 0.0, 10, 2)])
+    with pytest.raises(RuntimeError, match="request big can never be admitted"):
+        simulate("ours:lru", ads, [req("big", 0.0, 5000, 10, "a")], config=SimConfig(pool_bytes=300_000_000))
+
+
+def test_compare_writes_results(tmp_path):
+    from eval.sim.compare import main
+
+    out = tmp_path / "sim_small"
+    main(["--num-adapters", "4", "--rates", "1,2", "--window-s", "6", "--mean-new-tokens", "40",
+          "--out", str(out)])
+    md = (tmp_path / "sim_small.md").read_text()
+    assert "simulated" in md and "-45.7%" in md and "1.51x" in md and "1.42x" in md
+    runs = [json.loads(line) for line in open(f"{out}_runs.jsonl")]
+    assert len(runs) == 2 * 4 + 2 * 10 and all(r["device"].startswith("simulated") for r in runs)
+    records = [json.loads(line) for line in open(f"{out}.jsonl")]
+    assert records and {r["arm"] for r in records} == {"vllm", "slora", "sglang", "ours:elora"}
+    assert all(r["extra"]["request_rate"] > 0 and 0 <= r["extra"]["hits"]["kv"] <= 1 for r in records)
+    total = runs[0]["setup"]["pool_bytes"]
+    for arm in ("vllm", "ours:elora"):
+        memory = [r["extra"]["memory_bytes"] for r in records if r["arm"] == arm and "memory_bytes" in r["extra"]]
+        assert memory and all(sum(m.values()) == total for m in memory)
+
+
+def test_run_any_workload_alora_pipeline():
+    """eval.sim.run on the aLoRA pipeline workload: only ours serves the checks from the base answer's KV."""
+    from eval.sim.run import run
+
+    vllm, ours = run("alora_pipeline", ["vllm", "ours:elora"], {"num_pipelines": 6}, seed=2)
+    checks = [r for r in ours.results if r.extra["kind"] == "alora"]
+    assert checks and all(r.cached_tokens >= r.prompt_tokens - 5 for r in checks)
+    assert all(r.cached_tokens == 0 for r in vllm.results if r.extra["kind"] == "alora")
+    assert ours.summary["ttft_mean_s"] < vllm.summary["ttft_mean_s"]
+
+
+@pytest.mark.parametrize("arm", ["ours:elora", "ours:elora:no-tree", "vllm"])
+def test_alora_pipelines_under_pressure_keep_every_invariant(arm):
+    """aLoRA suffixes hang below base KV and depend on their adapter: evicting under pressure must keep the
+    accounting exact and (with the tree) never strand a suffix."""
+    from eval.workloads import create_workload
+
+    w = create_workload("alora_pipeline", seed=5, num_pipelines=25, pipeline_rate=2.0)
+    run = simulate(arm, w.adapters, w.requests, alora_invocation_tokens=5,
+                   config=SimConfig(check_every_step=True, pool_bytes=500_000_000))
+    assert len(run.results) == len(w.requests)
+    assert run.system.tree.stats().num_evicted_tokens > 0
+    if arm == "ours:elora":
+        assert _invalid_tokens_by_walk(run.system) == 0
+        assert run.system.tree.stats().hits["alora_base_prefix"] > 0
