@@ -10,6 +10,9 @@ from sgl_multilora.patches import flags
 def add_cli_args(original, parser):
     original(parser)
     flags.add_cli_args(parser)
+    from sgl_multilora.patches import lora_backend
+
+    lora_backend.add_cli_choice(parser)  # --lora-backend multilora
 
 
 def from_cli_args(original, cls, args):

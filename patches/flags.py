@@ -32,6 +32,9 @@ class MultiLoRAArgs:
     # cached prefix plus themselves (cost grows with new x total tokens). `stock`: SGLang's path, which recomputes
     # every cached position's row and drops it (cost grows with total squared).
     extend_attention: str = "ours"
+    # Which implementation `--lora-backend multilora` runs its LoRA ops with: `auto` (Triton on CUDA, the torch
+    # references elsewhere), `triton`, `torch`, or `flashinfer` (its segment GEMM; GPU only, needs flashinfer).
+    lora_ops: str = "auto"
     # Request ingress (`ingress.py`). `strict`: clients cannot set lora_id, cache namespaces are unambiguous
     # (client extra_key, adapter content identity), inputs that crash SGLang's scheduler get HTTP 400. `stock`: SGLang
     # 0.5.23's own handling, for baseline measurements only (a request can then read another adapter's cached KV or
@@ -41,6 +44,7 @@ class MultiLoRAArgs:
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
 EXTEND_ATTENTION_CHOICES = ("ours", "stock")
+LORA_OPS_CHOICES = ("auto", "triton", "torch", "flashinfer")
 INGRESS_CHOICES = ("strict", "stock")
 
 
@@ -85,6 +89,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="'strict' (default) rejects client-set lora_id, keeps every adapter's and tenant's cached KV apart "
         "and refuses inputs that crash SGLang's scheduler; 'stock' keeps SGLang's own request handling (baseline "
         "measurements only: unsafe).",
+    )
+    group.add_argument(
+        "--multilora-lora-ops",
+        choices=LORA_OPS_CHOICES,
+        default=MultiLoRAArgs.lora_ops,
+        help="LoRA op implementation of --lora-backend multilora: 'auto' (Triton on CUDA, torch references "
+        "elsewhere), 'triton', 'torch', or 'flashinfer' (FlashInfer's segment GEMM; GPU only).",
     )
 
 

@@ -1,7 +1,9 @@
-"""`MultiLoRALinear`: a base projection plus the LoRA deltas of every adapter in the step, one op per adapter.
+"""`MultiLoRALinear`: a base projection plus the LoRA deltas of every adapter in the step, in one segmented op.
 
-The step's layout (`SegmentMeta`) and adapter weights are shared by all wrapped layers through one `LoRAStep`,
-set once per forward by the LoRA manager hook; a layer only looks up its own (layer, module) weights.
+The step's layout (`SegmentMeta`, and the kernels' `TokenLayout` built from it once per step) and adapter weights are
+shared by all wrapped layers through one `LoRAStep`, set once per forward by the LoRA manager hook; a layer only
+looks up its own (layer, module) weights. The op is `triton_kernels.ops.lora_forward`: the torch reference on a CPU,
+the Triton kernels on a GPU (same call, same layout, weights read in place).
 """
 
 from __future__ import annotations
@@ -10,22 +12,33 @@ import torch
 from torch import nn
 
 from sgl_multilora.adapters import LoadedAdapter
+from sgl_multilora.patches import flags
 from sgl_multilora.segments import SegmentMeta
-from sgl_multilora.triton_kernels.lora_ref import lora_shrink_expand_ref
+from sgl_multilora.triton_kernels.ops import LoRAWeights, TokenLayout, lora_forward
 
 
 class LoRAStep:
     """The current step's layout and the adapters it may reference. Written by the manager hook, read by layers."""
 
-    __slots__ = ("meta", "adapters")
+    __slots__ = ("meta", "adapters", "_layout")
 
     def __init__(self):
         self.meta: SegmentMeta | None = None
         self.adapters: dict[str, LoadedAdapter] = {}
+        self._layout: TokenLayout | None = None
 
     def set(self, meta: SegmentMeta, adapters: dict[str, LoadedAdapter]) -> None:
         self.meta = meta
         self.adapters = adapters
+        self._layout = None
+
+    @property
+    def layout(self) -> TokenLayout:
+        """The kernels' token layout for this step (weight slot = index of the group in `meta.groups`)."""
+        if self._layout is None:
+            assert self.meta is not None, "LoRAStep.layout read before set()"
+            self._layout = TokenLayout.build(self.meta.token_adapter, max(1, len(self.meta.groups)))
+        return self._layout
 
 
 class MultiLoRALinear(nn.Module):
@@ -57,18 +70,16 @@ class MultiLoRALinear(nn.Module):
                 f"LoRA layout is for {meta.num_tokens} tokens but layer {self.layer_id} {self.module_name} got "
                 f"{x2.shape[0]}"
             )
-        rows, lora_a, lora_b, scalings = [], [], [], []
+        lora_a, lora_b, scalings = [], [], []
         key = (self.layer_id, self.module_name)
-        for group in meta.groups:
+        for group in meta.groups:  # slot g = group g; a slot stays empty where the adapter skips this module
             adapter = step.adapters[group.key]
             weights = adapter.weights.get(key)
-            if weights is None:  # this adapter does not target this module
-                continue
-            rows.append(group.token_index)
-            lora_a.append(weights[0])
-            lora_b.append(weights[1])
+            lora_a.append(None if weights is None else weights[0])
+            lora_b.append(None if weights is None else weights[1])
             scalings.append(adapter.spec.scaling)
-        if rows:
+        if any(a is not None for a in lora_a):
+            table = LoRAWeights.from_list(lora_a, lora_b, scalings, (0, self.out_features))
             out2 = out.view(-1, self.out_features)  # in place: `out` is the contiguous base output
-            lora_shrink_expand_ref(x2, out2, rows, lora_a, lora_b, scalings)
+            lora_forward(x2, out2, step.layout, table, impl=flags.current().lora_ops)
         return out

@@ -53,4 +53,7 @@ def register() -> None:
     from sgl_multilora.patches import radix_backend
 
     radix_backend.register()  # --radix-cache-backend multilora
+    from sgl_multilora.patches import lora_backend
+
+    lora_backend.register()  # --lora-backend multilora
     _registered = True

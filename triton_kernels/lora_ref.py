@@ -1,4 +1,6 @@
-"""Torch reference of the segmented LoRA op (shrink then expand), the CPU serving path's implementation.
+"""The segmented LoRA op over `SegmentMeta` token groups in plain torch (shrink then expand), kept as an oracle.
+
+The serving path calls `ops.lora_forward` (its torch reference on a CPU, the Triton kernels on a GPU).
 
 Semantics: for each token group g (tokens T_g, adapter weights A_g: (r_g, in), B_g: (out, r_g), scale s_g):
     y[T_g] += s_g * (x[T_g] @ A_g.T) @ B_g.T
