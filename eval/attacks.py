@@ -128,7 +128,9 @@ def cached_tokens(payload) -> int | None:
 
 def run_attack(url: str, prompt_ids: list[int], attack: Attack, max_new_tokens: int = 2) -> dict:
     """Sends one attack over `prompt_ids`; returns status, cached tokens and whether the server still answers."""
-    body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if "text" not in attack.fields:
+        body["input_ids"] = prompt_ids
     body.update(attack.fields)
     status, payload = generate(url, body)
     error = None
@@ -161,8 +163,8 @@ def run_arm(arm: str, model_path: str, tokenizer, out, args) -> list[dict]:
     manifest = json.loads((ADAPTERS_DIR / "manifest.json").read_text())["adapters"]
     names = [e["name"] for e in manifest if e["kind"] == "lora"]
     victim, other = names[0], names[1]
-    args = [*cpu_server_args(8192), "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
-            *ARMS[arm]]
+    server_args = [*cpu_server_args(8192), "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch",
+                   "8", *ARMS[arm]]
     rows = []
 
     def record(row):
@@ -171,7 +173,7 @@ def run_arm(arm: str, model_path: str, tokenizer, out, args) -> list[dict]:
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    handle = launch(model_path, args, log_path=f"/tmp/sgl_multilora_attacks_{arm}.log")
+    handle = launch(model_path, server_args, log_path=f"/tmp/sgl_multilora_attacks_{arm}.log")
     try:
         victim_id = lora_paths_id(victim, str(ADAPTERS_DIR / victim))
         prompt = _victim_prompt(tokenizer, args.prompt_tokens, args.seed)
@@ -190,8 +192,9 @@ def run_arm(arm: str, model_path: str, tokenizer, out, args) -> list[dict]:
         for attack in tenant_attacks(salt):
             record({"kind": "tenant cache", "prompt_tokens": len(prompt2), **run_attack(handle.url, prompt2, attack)})
         for attack in crash_inputs(len(tokenizer)):
-            if not handle.alive():
-                handle = launch(model_path, args, log_path=f"/tmp/sgl_multilora_attacks_{arm}.log")
+            if not alive(handle.url):  # the previous input stopped it: start a fresh one for the next
+                handle.stop()
+                handle = launch(model_path, server_args, log_path=f"/tmp/sgl_multilora_attacks_{arm}.log")
             body_prompt = [1, 2, 3]
             record({"kind": "crash input", "prompt_tokens": len(body_prompt),
                     **run_attack(handle.url, body_prompt, attack)})

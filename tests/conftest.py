@@ -63,3 +63,30 @@ def start_server(model_path: str, extra_args: list[str], name: str):
         [*cpu_server_args(max_total_tokens=int(os.environ.get("MULTILORA_TEST_MAX_TOKENS", "8192"))), *extra_args],
         log_path=log_dir / f"{name}.log",
     )
+
+
+# Servers shared by the e2e modules (one start each per session: a start costs most of a minute on 2 cores). Tests
+# on a shared server measure deltas of counters and use prompts of their own, so module order does not matter.
+LORA_SERVER_ARGS = ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
+                    "--max-lora-rank", "32"]
+TREE_CHUNK = 64  # small chunked-prefill size, so long prompts are prefilled in several steps
+
+
+@pytest.fixture(scope="session")
+def lora_server(model_path):
+    """Every bundled adapter, SGLang's own prefix cache (the plugin's default serving path)."""
+    handle = start_server(model_path, LORA_SERVER_ARGS, name="e2e_lora_server")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def tree_server(model_path):
+    """Every bundled adapter, `--radix-cache-backend multilora`, chunked prefill of TREE_CHUNK tokens."""
+    handle = start_server(
+        model_path,
+        [*LORA_SERVER_ARGS, "--radix-cache-backend", "multilora", "--chunked-prefill-size", str(TREE_CHUNK)],
+        name="e2e_tree_server",
+    )
+    yield handle
+    handle.stop()

@@ -15,7 +15,6 @@ import json
 import pytest
 import requests
 
-from tests.conftest import start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -55,13 +54,15 @@ def adapter_dirs(model_path, tokenizer, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(model_path, adapter_dirs):
-    lora_paths = [f"{name}={path}" for name, path in adapter_dirs.items()]
-    handle = start_server(
-        model_path, ["--lora-paths", *lora_paths, "--radix-cache-backend", "multilora"], name="e2e_frontend_dsl"
-    )
-    yield handle
-    handle.stop()
+def server(tree_server, adapter_dirs):
+    """The shared tree server with this module's two adapters loaded at run time (unloaded afterwards)."""
+    for name, path in adapter_dirs.items():
+        response = requests.post(tree_server.url + "/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                                 timeout=120)
+        assert response.status_code == 200, response.text
+    yield tree_server
+    for name in adapter_dirs:
+        requests.post(tree_server.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from eval.attacks import cache_attacks, crash_inputs, lora_paths_id, run_attack, tenant_attacks
 from sgl_multilora.adapters import read_spec
-from tests.conftest import ADAPTERS_DIR, start_server
+from tests.conftest import ADAPTERS_DIR
 from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -31,14 +31,8 @@ MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    handle = start_server(
-        model_path,
-        ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8", "--max-lora-rank", "32"],
-        name="e2e_ingress",
-    )
-    yield handle
-    handle.stop()
+def server(lora_server):
+    return lora_server
 
 
 def post(server, path: str, body: dict) -> requests.Response:

@@ -9,25 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import ADAPTERS_DIR, start_server
+from tests.conftest import TREE_CHUNK as CHUNK
 from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 6
-CHUNK = 64  # small chunked-prefill size, so long prompts are prefilled in several steps
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    handle = start_server(
-        model_path,
-        ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
-         "--radix-cache-backend", "multilora", "--chunked-prefill-size", str(CHUNK)],
-        name="e2e_lora_tree",
-    )
-    yield handle
-    handle.stop()
+def server(tree_server):
+    return tree_server
 
 
 def post(server, body: dict) -> requests.Response:

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import ADAPTERS_DIR, start_server
 from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -31,14 +30,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    handle = start_server(
-        model_path,
-        ["--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8", "--max-lora-rank", "32"],
-        name="e2e_multi_lora",
-    )
-    yield handle
-    handle.stop()
+def server(lora_server):
+    return lora_server
 
 
 def chat_ids(tokenizer, question: str, answer: str | None = None, invocation: str | None = None) -> list[int]:
