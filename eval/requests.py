@@ -60,6 +60,13 @@ class Request:
         return asdict(self)
 
 
+def history_of(parent: Request | None) -> dict:
+    """`parent_rid` and `history_tokens` of a request whose prompt opens with `parent`'s prompt and output."""
+    if parent is None:
+        return {"parent_rid": None, "history_tokens": 0}
+    return {"parent_rid": parent.rid, "history_tokens": parent.prompt_tokens + parent.output_tokens}
+
+
 @dataclass
 class RequestResult:
     """What one request measured, live or simulated: one JSON line per request in a results file.

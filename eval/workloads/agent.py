@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import Request
+from eval.requests import Request, history_of
 from eval.workloads.base import Workload, draw_len, poisson_arrivals, rank_adapters, zipf_probs
 
 
@@ -49,8 +49,7 @@ def generate(p: AgentParams, seed: int) -> Workload:
                 session=f"agent{s}",
                 turn=turn,
                 adapter=adapter,
-                parent_rid=parent.rid if parent else None,
-                history_tokens=parent.prompt_tokens + parent.output_tokens if parent else 0,
+                **history_of(parent),
                 new_tokens=draw_len(rng, p.mean_new_tokens) + (p.scene_tokens if turn == 0 else 0),
                 output_tokens=draw_len(rng, p.mean_output_tokens),
                 shared_prefix=f"scene:{adapter}" if p.scene_tokens else None,

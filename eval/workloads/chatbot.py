@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import Request
+from eval.requests import Request, history_of
 from eval.workloads.base import Workload, draw_len, poisson_arrivals, rank_adapters, zipf_probs
 
 
@@ -48,8 +48,7 @@ def generate(p: ChatbotParams, seed: int) -> Workload:
                 session=f"chat{c}",
                 turn=turn,
                 adapter=adapter,
-                parent_rid=parent.rid if parent else None,
-                history_tokens=parent.prompt_tokens + parent.output_tokens if parent else 0,
+                **history_of(parent),
                 new_tokens=new,
                 output_tokens=draw_len(rng, p.mean_output_tokens),
                 shared_prefix="system" if p.system_tokens else None,
