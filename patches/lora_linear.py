@@ -44,6 +44,8 @@ class LoRAStep:
 class MultiLoRALinear(nn.Module):
     """Wraps one projection (`base`: any module mapping (..., in) -> (..., out)) of decoder layer `layer_id`."""
 
+    MAX_CACHED_TABLES = 16  # adapter combinations whose weight tables are kept (cleared all at once beyond)
+
     def __init__(self, base: nn.Module, *, layer_id: int, module_name: str):
         super().__init__()
         self.base = base
@@ -53,6 +55,7 @@ class MultiLoRALinear(nn.Module):
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.base_dtype = weight.dtype
         self.step: LoRAStep | None = None
+        self._tables: dict[tuple[int, ...], tuple[tuple[LoadedAdapter, ...], LoRAWeights | None]] = {}
 
     @property
     def weight(self) -> torch.Tensor:  # HF code sometimes reads `proj.weight.dtype`
@@ -70,16 +73,35 @@ class MultiLoRALinear(nn.Module):
                 f"LoRA layout is for {meta.num_tokens} tokens but layer {self.layer_id} {self.module_name} got "
                 f"{x2.shape[0]}"
             )
+        table = self._table(step)
+        if table is not None:
+            out2 = out.view(-1, self.out_features)  # in place: `out` is the contiguous base output
+            lora_forward(x2, out2, step.layout, table, impl=flags.current().lora_ops)
+        return out
+
+    def clear_tables(self) -> None:
+        self._tables.clear()
+
+    def _table(self, step: LoRAStep) -> LoRAWeights | None:
+        """This layer's weight table for the step's adapters (slot g = group g), or None if none targets it.
+
+        Consecutive steps usually serve the same adapters, so tables are kept per adapter tuple; an entry is used
+        only while it was built from the very same `LoadedAdapter` objects (a reload makes new ones)."""
+        adapters = tuple(step.adapters[group.key] for group in step.meta.groups)
+        cached = self._tables.get(tuple(map(id, adapters)))
+        if cached is not None and all(a is b for a, b in zip(cached[0], adapters)):
+            return cached[1]
         lora_a, lora_b, scalings = [], [], []
         key = (self.layer_id, self.module_name)
-        for group in meta.groups:  # slot g = group g; a slot stays empty where the adapter skips this module
-            adapter = step.adapters[group.key]
+        for adapter in adapters:  # a slot stays empty where the adapter skips this module
             weights = adapter.weights.get(key)
             lora_a.append(None if weights is None else weights[0])
             lora_b.append(None if weights is None else weights[1])
             scalings.append(adapter.spec.scaling)
+        table = None
         if any(a is not None for a in lora_a):
             table = LoRAWeights.from_list(lora_a, lora_b, scalings, (0, self.out_features))
-            out2 = out.view(-1, self.out_features)  # in place: `out` is the contiguous base output
-            lora_forward(x2, out2, step.layout, table, impl=flags.current().lora_ops)
-        return out
+        if len(self._tables) >= self.MAX_CACHED_TABLES:
+            self._tables.clear()
+        self._tables[tuple(map(id, adapters))] = (adapters, table)
+        return table

@@ -198,6 +198,8 @@ def unload_lora_adapter(original, self, lora_ref):
         state = _state(self)
         if state is not None:
             state.adapters.pop(lora_ref.lora_id, None)
+            for layer in state.layers:  # weight tables would keep the unloaded adapter's tensors alive
+                layer.clear_tables()
     return result
 
 
