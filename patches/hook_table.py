@@ -46,6 +46,9 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_and_resolve_lora", "around",
              "ingress:validate_and_resolve_lora", ("self", "obj"),
              "HTTP 400 for a client-supplied lora_id: adapters are resolved by the server from lora_path"),
+    HookSpec("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "after",
+             "ingress:normalize_batch_and_arguments", ("self",),
+             "HTTP 400 for a lora_path list that does not give one adapter per prompt (stock answers 500)"),
     HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "after",
              "ingress:validate_one_request", ("self", "obj", "input_ids"),
              "HTTP 400 for inputs that crash stock SGLang's scheduler: empty prompt, token ids outside the vocabulary, "

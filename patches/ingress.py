@@ -10,6 +10,8 @@ Stock SGLang 0.5.23 trusts three request fields it should not:
 What this module does with `--multilora-ingress strict` (the default), whichever `--radix-cache-backend` runs:
 - tokenizer process: an empty prompt, a token id outside the vocabulary or `top_logprobs_num` above the vocabulary
   size gets HTTP 400 (each crashes stock SGLang).
+- tokenizer process: a `lora_path` list whose length is not the batch's, or with entries that are not names, gets
+  HTTP 400 (stock answers 500).
 - tokenizer process: a request that carries `lora_id` gets HTTP 400. The server resolves adapters itself, from
   `lora_path` (or the OpenAI `model="base:adapter"` form); a silently ignored `lora_id` would hide a client bug and
   answer with the base model. Requests without `lora_id` are untouched.
@@ -84,6 +86,34 @@ def _has_client_lora_id(obj) -> bool:
     if isinstance(lora_id, list):
         return any(x is not None for x in lora_id)
     return lora_id is not None
+
+
+def normalize_batch_and_arguments(result, self, *args, **kwargs):
+    """AFTER hook on `GenerateReqInput.normalize_batch_and_arguments()`: HTTP 400 for a malformed `lora_path` before
+    the tokenizer manager indexes it per prompt."""
+    if _strict():
+        check_lora_path_shape(self)
+
+
+def check_lora_path_shape(obj) -> None:
+    """`lora_path` must be one adapter name (or null) for a single request and, for a batch, a name or a list with one
+    name (or null) per prompt. Stock 0.5.23 normalises a generate batch's list without checking its length and answers
+    HTTP 500 when a prompt has no entry; unhashable entries fail the same way."""
+    lora_path = getattr(obj, "lora_path", None)
+    if lora_path is None or isinstance(lora_path, str):
+        return
+    if not isinstance(lora_path, list):
+        raise ValueError(f"lora_path must be an adapter name or a list of them, got {type(lora_path).__name__}")
+    bad = next((x for x in lora_path if x is not None and not isinstance(x, str)), None)
+    if bad is not None:
+        raise ValueError(f"lora_path entries must be adapter names or null, got {bad!r}")
+    if getattr(obj, "is_single", True):
+        raise ValueError("lora_path must be a single adapter name for a single prompt, got a list")
+    # normalize_batch_and_arguments() has already repeated the list once per parallel sample
+    prompts = obj.batch_size * getattr(obj, "parallel_sample_num", 1)
+    if len(lora_path) != prompts:
+        given = len(lora_path) // max(1, getattr(obj, "parallel_sample_num", 1))
+        raise ValueError(f"lora_path has {given} entries for a batch of {obj.batch_size} prompts")
 
 
 async def validate_and_resolve_lora(original, self, obj, *args, **kwargs):

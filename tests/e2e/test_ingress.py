@@ -103,6 +103,10 @@ MALFORMED = [
     ({"text": ["a", "b"], "lora_id": [None, "1" * 32]}, "'lora_id' is assigned by the server"),
     ({"text": "Hello", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"input_ids": []}, "empty"),
+    ({"text": ["a", "b"], "lora_path": [VICTIM]}, "lora_path has 1 entries for a batch of 2 prompts"),
+    ({"text": ["a", "b"], "lora_path": [VICTIM, OTHER, VICTIM]}, "lora_path has 3 entries for a batch of 2 prompts"),
+    ({"text": ["a", "b"], "lora_path": [VICTIM, {"name": OTHER}]}, "lora_path"),  # refused by the request schema already
+    ({"text": "a", "lora_path": [VICTIM]}, "single adapter name for a single prompt"),
 ]
 
 
