@@ -16,7 +16,10 @@ def scheduler_internal_state(result, self, *args, **kwargs):
     tree_cache = getattr(self, "tree_cache", None)
     if isinstance(tree_cache, MultiLoRARadixCache):
         result.internal_state["multilora"] = dataclasses.asdict(tree_cache.tree.stats())
-    result.internal_state["multilora_memory"] = kv_accounting(self)
+    memory = kv_accounting(self)
+    if memory is not None:
+        memory["adapters"] = adapter_accounting(self)
+    result.internal_state["multilora_memory"] = memory
     return result
 
 
@@ -38,6 +41,51 @@ def kv_accounting(scheduler) -> dict | None:
         "running": len(getattr(getattr(scheduler, "running_batch", None), "reqs", []) or []),
         "waiting": len(getattr(scheduler, "waiting_queue", []) or []),
     }
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def adapter_accounting(scheduler) -> dict | None:
+    """Bytes of adapter weights one scheduler holds, per adapter name, by owner:
+
+    - `weights`: the copy LoRA layers compute with (ours on the transformers path, where SGLang's slot buffers are
+      unused; SGLang's slot buffers `slot_buffers` otherwise, sized for `--max-loras-per-batch` adapters of
+      `--max-lora-rank` whether or not they are filled);
+    - `host`: SGLang's host copy of every loaded adapter (`LoRAManager.loras`), which it keeps for swapping into slots.
+
+    After an adapter is unloaded none of its bytes remain.
+    """
+    from sgl_multilora.patches.lora_transformers import _state
+
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        return None
+    names = {uid: ref.lora_name for uid, ref in getattr(manager, "lora_refs", {}).items()}
+    host = {names.get(uid, uid): sum(_tensor_bytes(layer.weights) for layer in adapter.layers)
+            for uid, adapter in getattr(manager, "loras", {}).items()}
+    state = _state(manager)
+    if state is not None:
+        weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in state.adapters.items()}
+        slots = 0
+    else:
+        weights = {}
+        pool = getattr(manager, "memory_pool", None)
+        slots = sum(_tensor_bytes(getattr(pool, attr, None)) for attr in
+                    ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
+                     "lm_head_B_buffer"))
+    return {"loaded": len(names), "weights": weights, "host": host, "slot_buffers": slots,
+            "total": sum(weights.values()) + sum(host.values()) + slots}
 
 
 _routes_added = False

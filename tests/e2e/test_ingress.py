@@ -196,7 +196,7 @@ def test_changed_weights_under_an_old_name_start_cold(server, tokenizer, tmp_pat
     post(server, "/unload_lora_adapter", {"lora_name": "reloaded"})
 
 
-def test_kv_accounting_is_exact_once_idle(server):
+def test_memory_accounting_is_exact_once_idle(server, manifest):
     deadline = time.time() + 60
     while True:
         memory = requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
@@ -207,3 +207,14 @@ def test_kv_accounting_is_exact_once_idle(server):
     assert memory["cache_protected"] == 0, memory
     assert memory["free"] + memory["cache_evictable"] == memory["total"], memory
     assert memory["cache_evictable"] > 0  # the tests above left cached prefixes behind
+    # adapter weights: the bundled adapters' tensors at the server's dtype (fp32), counted from their files; nothing
+    # left of the adapters loaded and unloaded above
+    adapters = memory["adapters"]
+    for entry in manifest:
+        tensors = load_file(str(ADAPTERS_DIR / entry["name"] / "adapter_model.safetensors"))
+        expected = sum(t.numel() for k, t in tensors.items() if "lora_A" in k or "lora_B" in k) * 4
+        assert adapters["weights"][entry["name"]] == expected, (entry["name"], adapters)
+    assert {"racer", "reloaded"}.isdisjoint(adapters["weights"]) and {"racer", "reloaded"}.isdisjoint(adapters["host"])
+    assert set(adapters["host"]) == set(adapters["weights"]) and adapters["loaded"] == len(adapters["weights"])
+    assert adapters["total"] == sum(adapters["weights"].values()) + sum(adapters["host"].values()) \
+        + adapters["slot_buffers"]
