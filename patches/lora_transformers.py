@@ -160,6 +160,17 @@ def init_lora_modules(original, self):
             state.load(lora_ref)
         except AdapterError as e:
             raise RuntimeError(str(e)) from None
+        drop_sglang_weights(self, lora_id)
+
+
+def drop_sglang_weights(manager, lora_id: str) -> None:
+    """Frees SGLang's host copy of an adapter's weights on the transformers path, where our layers compute from their
+    own copy and SGLang's slot buffers are never filled (`fetch_new_loras`); its config and scaling stay, as SGLang
+    reads them per batch. Without this every adapter is held twice."""
+    adapter = getattr(manager, "loras", {}).get(lora_id)
+    if adapter is not None:
+        for layer in adapter.layers:
+            layer.weights.clear()
 
 
 def adapter_specs(manager) -> dict[str, AdapterSpec]:
@@ -185,6 +196,8 @@ def load_lora_adapter(original, self, lora_ref):
     if result.success:
         adapter_specs(self)[lora_ref.lora_id] = spec
         ingress.remember_adapter(lora_ref.lora_id, spec.identity)
+        if state is not None:
+            drop_sglang_weights(self, lora_ref.lora_id)
     elif state is not None:
         state.adapters.pop(lora_ref.lora_id, None)
     return result

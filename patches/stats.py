@@ -34,6 +34,7 @@ def kv_accounting(scheduler) -> dict | None:
     if allocator is None or tree_cache is None:
         return None
     return {
+        "kv_bytes_per_token": _kv_bytes_per_token(allocator),
         "total": int(scheduler.max_total_num_tokens),
         "free": int(allocator.available_size()),
         "cache_evictable": int(tree_cache.evictable_size()),
@@ -41,6 +42,16 @@ def kv_accounting(scheduler) -> dict | None:
         "running": len(getattr(getattr(scheduler, "running_batch", None), "reqs", []) or []),
         "waiting": len(getattr(scheduler, "waiting_queue", []) or []),
     }
+
+
+def _kv_bytes_per_token(allocator) -> int | None:
+    """K and V bytes of one token slot over all layers (None for pools without per-layer K/V buffers)."""
+    try:
+        kvcache = allocator.get_kvcache()
+        rows = kvcache.k_buffer[0].shape[0]
+        return int(sum(kvcache.get_kv_size_bytes()) // rows)
+    except (AttributeError, IndexError, TypeError, AssertionError):
+        return None
 
 
 def _tensor_bytes(obj) -> int:
@@ -61,7 +72,8 @@ def adapter_accounting(scheduler) -> dict | None:
     - `weights`: the copy LoRA layers compute with (ours on the transformers path, where SGLang's slot buffers are
       unused; SGLang's slot buffers `slot_buffers` otherwise, sized for `--max-loras-per-batch` adapters of
       `--max-lora-rank` whether or not they are filled);
-    - `host`: SGLang's host copy of every loaded adapter (`LoRAManager.loras`), which it keeps for swapping into slots.
+    - `host`: SGLang's host copy of every loaded adapter (`LoRAManager.loras`), which it keeps for swapping into slots
+      (0 on the transformers path: our layers compute from their own copy and SGLang's is freed);
 
     After an adapter is unloaded none of its bytes remain.
     """

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from eval.attacks import cache_attacks, crash_inputs, lora_paths_id, run_attack, tenant_attacks
 from sgl_multilora.adapters import read_spec
@@ -196,7 +197,7 @@ def test_changed_weights_under_an_old_name_start_cold(server, tokenizer, tmp_pat
     post(server, "/unload_lora_adapter", {"lora_name": "reloaded"})
 
 
-def test_memory_accounting_is_exact_once_idle(server, manifest):
+def test_memory_accounting_is_exact_once_idle(server, manifest, model_path):
     deadline = time.time() + 60
     while True:
         memory = requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
@@ -207,6 +208,9 @@ def test_memory_accounting_is_exact_once_idle(server, manifest):
     assert memory["cache_protected"] == 0, memory
     assert memory["free"] + memory["cache_evictable"] == memory["total"], memory
     assert memory["cache_evictable"] > 0  # the tests above left cached prefixes behind
+    config = AutoConfig.from_pretrained(model_path)  # K and V of every layer, fp32
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert memory["kv_bytes_per_token"] == config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
     # adapter weights: the bundled adapters' tensors at the server's dtype (fp32), counted from their files; nothing
     # left of the adapters loaded and unloaded above
     adapters = memory["adapters"]
@@ -216,5 +220,6 @@ def test_memory_accounting_is_exact_once_idle(server, manifest):
         assert adapters["weights"][entry["name"]] == expected, (entry["name"], adapters)
     assert {"racer", "reloaded"}.isdisjoint(adapters["weights"]) and {"racer", "reloaded"}.isdisjoint(adapters["host"])
     assert set(adapters["host"]) == set(adapters["weights"]) and adapters["loaded"] == len(adapters["weights"])
+    assert sum(adapters["host"].values()) == 0, adapters  # SGLang's copy is freed: our layers compute from ours
     assert adapters["total"] == sum(adapters["weights"].values()) + sum(adapters["host"].values()) \
         + adapters["slot_buffers"]
