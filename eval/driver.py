@@ -4,7 +4,8 @@ Each request is sent at `arrival_s / time_scale` seconds after the arm's start, 
 with a parent waits for it and sends the parent's prompt text + the parent's actual output text + its fresh text
 (eval/workloads/text.py). Recorded per request (eval/requests.py `RequestResult`, one JSON line written as soon as
 the request finishes): TTFT, mean inter-token time (TPOT) with the P50/P99 inter-token gaps, end-to-end latency,
-the server's prompt / completion / cached token counts, errors. Workload adapters are mapped onto the adapters the
+the server's prompt / completion / cached token counts, errors, and, where the server has the plugin, its memory by
+kind right after the request finished (`memory_bytes`, from `GET /multilora/stats`: `memory_by_kind`). Workload adapters are mapped onto the adapters the
 server has (`map_adapters`). Not here: starting servers (eval/arms.py) or summarising results (eval/report.py).
 """
 
@@ -24,6 +25,23 @@ import numpy as np
 from eval.requests import AdapterInfo, Request, RequestResult
 from eval.workloads import Workload
 from eval.workloads.text import fresh_text
+
+
+def memory_by_kind(memory: dict) -> dict[str, int] | None:
+    """Bytes by kind from one scheduler's `/multilora/stats` `memory` entry, as in ELORA's Fig. 14: `history KV`
+    (cached prefixes no request holds: evictable), `active KV` (slots held by running requests), `adapters` (every
+    copy of adapter weights). None when the server does not report KV bytes per token."""
+    per_token = memory.get("kv_bytes_per_token")
+    if not per_token:
+        return None
+    used = memory["total"] - memory["free"]
+    kinds = {
+        "history KV": memory["cache_evictable"] * per_token,
+        "active KV": (used - memory["cache_evictable"]) * per_token,
+    }
+    if memory.get("adapters"):
+        kinds["adapters"] = memory["adapters"]["total"]
+    return kinds
 
 
 class ServerUnreachable(RuntimeError):
@@ -116,6 +134,7 @@ class ArmReplay:
         self.results: list[RequestResult] = []
         self.unreachable: str | None = None
         self.rate = workload.offered_rate * time_scale
+        self.has_stats = True  # until GET /multilora/stats fails once (a server without the plugin)
 
     def record(self, result: RequestResult) -> None:
         self.results.append(result)
@@ -175,7 +194,26 @@ class ArmReplay:
         except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
             base.error, output = f"{type(e).__name__}: {e}", None
         done.set_result(None if output is None else text + output)
+        if output is not None:
+            memory = await self.sample_memory(session)
+            if memory is not None:
+                base.extra["memory_bytes"] = memory
+                base.extra["memory_t_s"] = time.perf_counter() - start
         self.record(base)
+
+    async def sample_memory(self, session: aiohttp.ClientSession) -> dict[str, int] | None:
+        if not self.has_stats:
+            return None
+        try:
+            async with session.get(self.target.url + "/multilora/stats") as response:
+                stats = await response.json() if response.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            stats = None
+        memory = (stats or {}).get("memory") or [None]
+        kinds = memory_by_kind(memory[0]) if memory[0] else None
+        if kinds is None:
+            self.has_stats = False
+        return kinds
 
     async def stream(self, session, req, text, lora, result: RequestResult, sent: float) -> str:
         body = {

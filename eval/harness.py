@@ -5,8 +5,9 @@
 
 Starts each arm's server in turn (the embedded model on CPU by default, or `--config` / `--model --device cuda`),
 or uses `--url ARM=URL` for servers already running; replays the workload once per time scale (arrivals compressed
-by that factor: the rate points of the TTFT-vs-rate plot); writes `results.jsonl` (one line per request, as it
-finishes), `report.md` and PNGs under --out-dir. `--bench-serving N` also runs SGLang's
+by that factor: the rate points of the TTFT-vs-rate plot), each on an emptied prefix cache (`--keep-cache` keeps
+it); writes `results.jsonl` (one line per request, as it finishes), `report.md` (starting with the run's setup) and
+PNGs under --out-dir. `--bench-serving N` also runs SGLang's
 `python -m sglang.bench_serving` with N prompts over the served LoRA adapters (`--lora-name`) on each arm.
 An unreachable server stops the run with its address; the results so far and the report are still written.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from eval.arms import (
     bench_serving_command,
     load_config,
     run_bench_serving,
+    server_args,
     start_arm,
 )
 from eval.driver import ServedAdapter, ServerUnreachable, Target, replay, served_from_manifest
@@ -87,11 +90,37 @@ def bench_serving_table(out_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def flush_cache(arm: str, url: str, bar) -> None:
+    """Empties the server's prefix cache (SGLang's `/flush_cache`) so that a replay does not hit what the previous
+    replay of the same workload cached. SGLang refuses while requests are in flight; then this retries for 60 s and
+    says so if it still cannot."""
+    import time
+
+    import requests
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            response = requests.post(url + "/flush_cache", timeout=30)
+            if response.status_code == 200:
+                return
+            problem = f"HTTP {response.status_code}: {response.text.strip()[:200]}"
+        except requests.RequestException as e:
+            problem = str(e)
+        if time.time() > deadline:
+            bar.write(f"{arm}: could not flush the prefix cache at {url} ({problem}); "
+                      "this replay may hit what earlier requests cached")
+            return
+        time.sleep(1.0)
+
+
 def run_arm(args, config: ExperimentConfig, arm, workload, served, results_path: Path, bar) -> None:
     server = None if arm.url else start_arm(config, arm, args.out_dir / "logs")
     url = arm.url or server.url
     try:
         for scale in args.time_scales:
+            if not args.keep_cache:
+                flush_cache(arm.name, url, bar)
             replay(
                 workload,
                 [Target(arm.name, url)],
@@ -129,6 +158,34 @@ def run_arm(args, config: ExperimentConfig, arm, workload, served, results_path:
             server.stop()
 
 
+def setup_section(argv: list[str], config: ExperimentConfig, arms, workload, started: datetime.datetime) -> str:
+    """The run's setup for the report: command, start date, machine, model, each arm's server flags, workload."""
+    import os
+    import platform
+    import shlex
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    lines = [
+        f"- command: `{shlex.join(['python', '-m', 'eval.harness', *argv])}`",
+        f"- started: {started.strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, GPU: {gpu}; device {config.device}",
+        f"- model: {config.model or 'embedded SmolLM2-135M-Instruct'}; adapters: {config.adapters_dir}",
+    ]
+    for arm in arms:
+        if arm.url:
+            lines.append(f"- arm `{arm.name}` ({arm.kind}): running server at {arm.url}")
+        else:
+            flags, env = server_args(config, arm)
+            env_text = " ".join(f"{k}={v}" for k, v in env.items())
+            lines.append(f"- arm `{arm.name}` ({arm.kind}): `{(env_text + ' ') if env_text else ''}"
+                         f"launch_server {shlex.join(flags)}`")
+    params = ", ".join(f"{k}={v}" for k, v in workload.params.items())
+    lines.append(f"- workload: {workload.name}, seed {workload.seed}, {len(workload.requests)} requests; {params}")
+    return "Setup:\n\n" + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, choices=list(WORKLOADS))
@@ -161,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    parser.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="do not flush each server's prefix cache before each replay (default: flush)",
+    )
     parser.add_argument("--slo-s", type=float, default=0.5, help="TTFT SLO for the peak load")
     parser.add_argument("--baselines", default="stock")
     parser.add_argument(
@@ -173,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-rate", type=float, default=1.0)
     parser.add_argument("--bench-input-len", type=int, default=128)
     parser.add_argument("--bench-output-len", type=int, default=16)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.time_scales = [float(x) for x in args.time_scales.split(",")]
 
@@ -238,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             args.baselines.split(","),
             args.slo_s,
             title=f"{workload.name} (seed {workload.seed})",
+            setup=setup_section(argv, config, arms, workload, started),
         )
         bench = bench_serving_table(args.out_dir)
         if bench:

@@ -259,31 +259,33 @@ def plot_ttft_vs_rate(rows: list[Row], out_dir: Path) -> list[Path]:
 
 
 def plot_memory(records: list[dict], out_dir: Path) -> list[Path]:
-    """Memory by kind over time for every (experiment, arm) whose records carry `memory_bytes`."""
+    """Memory by kind over time for every (experiment, arm) whose records carry `memory_bytes`: one stacked panel
+    per offered request rate (each replay starts its clock at 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[str, str], list[tuple[float, dict]]] = defaultdict(list)
+    series: dict[tuple[str, str], dict[float, list[tuple[float, dict]]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         extra = rec.get("extra") or {}
         if extra.get("memory_bytes"):
             t = extra.get("memory_t_s", rec["arrival_s"] + (rec.get("e2e_s") or 0.0))
-            series[(rec["experiment"], rec["arm"])].append((t, extra["memory_bytes"]))
+            series[(rec["experiment"], rec["arm"])][extra.get("request_rate") or 0.0].append((t, extra["memory_bytes"]))
     paths = []
-    for (experiment, arm), points in series.items():
-        points.sort(key=lambda p: p[0])
-        kinds = sorted({k for _, m in points for k in m})
-        times = [t for t, _ in points]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.stackplot(
-            times, *[[m.get(k, 0) / 2**30 for _, m in points] for k in kinds], labels=kinds
-        )
-        ax.set(
-            xlabel="time (s)", ylabel="memory (GiB)", title=f"{experiment} / {arm}: memory by kind"
-        )
-        ax.legend(loc="upper left")
+    for (experiment, arm), by_rate in series.items():
+        rates = sorted(by_rate)
+        peak = max(sum(m.values()) for points in by_rate.values() for _, m in points)
+        unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
+        kinds = sorted({k for points in by_rate.values() for _, m in points for k in m})
+        fig, axes = plt.subplots(len(rates), 1, figsize=(7, 2.6 * len(rates) + 0.8), squeeze=False, sharex=False)
+        for ax, rate in zip(axes[:, 0], rates):
+            points = sorted(by_rate[rate], key=lambda p: p[0])
+            times = [t for t, _ in points]
+            ax.stackplot(times, *[[m.get(k, 0) / scale for _, m in points] for k in kinds], labels=kinds)
+            ax.set(xlabel="time (s)", ylabel=f"memory ({unit})",
+                   title=f"{experiment} / {arm}" + (f" at {rate:.3g} req/s" if rate else "") + ": memory by kind")
+            ax.legend(loc="upper left", fontsize="small")
         path = out_dir / f"memory_{experiment}_{arm.replace(':', '_')}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
@@ -298,13 +300,15 @@ def write_report(
     baselines: list[str],
     slo_s: float = 0.5,
     title: str = "Results",
+    setup: str = "",
 ) -> tuple[Path, list[Path]]:
-    """Writes report.md and the PNGs into out_dir; returns their paths."""
+    """Writes report.md (title, the `setup` Markdown if any, tables, plots) and the PNGs into out_dir; returns their
+    paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     pngs = plot_ttft_vs_rate(rows, out_dir) + plot_memory(records, out_dir)
-    text = f"# {title}\n\n" + markdown(rows, baselines, slo_s)
+    text = f"# {title}\n\n" + (setup.rstrip("\n") + "\n\n" if setup else "") + markdown(rows, baselines, slo_s)
     text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     md = out_dir / "report.md"
     md.write_text(text)

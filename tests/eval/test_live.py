@@ -135,7 +135,7 @@ def test_every_workload_runs_live(server, adapters_dir, tmp_path, capsys):
     chat_dir = tmp_path / "chatbot"
     chat_args = ["--workload", "chatbot", "--seed", "3", "--arms", "ours,stock"]
     chat_args += ["--url", f"ours={server.url}", "--url", f"stock={dead}"]
-    chat_args += ["--out-dir", str(chat_dir), "--timeout-s", "120"]
+    chat_args += ["--out-dir", str(chat_dir), "--timeout-s", "120", "--keep-cache"]  # other workloads share it
     chat_args += [
         "--config",
         str(write_config(tmp_path, adapters_dir)),
@@ -178,3 +178,8 @@ def test_every_workload_runs_live(server, adapters_dir, tmp_path, capsys):
                 assert res["extra"]["served_adapter"] == "check_caps"
             else:
                 assert res["extra"]["served_adapter"] in ("caps", None)
+            # memory by kind, sampled from /multilora/stats when the request finished
+            memory = res["extra"]["memory_bytes"]
+            assert set(memory) == {"history KV", "active KV", "adapters"}, memory
+            assert min(memory.values()) >= 0 and memory["adapters"] > 0, memory
+    assert (chat_dir / "memory_chatbot_ours.png").is_file()
