@@ -3,7 +3,7 @@
 A victim request (an adapter, or a tenant's `cache_salt`) caches a long prompt; each attack then sends the same prompt
 with crafted namespace fields and reads `meta_info.cached_tokens`: any cached token is KV computed for the victim's
 namespace, read by a request outside it. Crash inputs are single requests that stopped stock SGLang 0.5.23's server
-processes. The same catalogue drives the e2e tests (`tests/e2e/test_ingress.py`) and this report.
+processes; malformed inputs are requests it answered with an internal error (HTTP 500). The same catalogue drives the e2e tests (`tests/e2e/test_ingress.py`) and this report.
 
 Usage (starts its own CPU servers with the embedded model and the bundled adapters; a few minutes):
     .venv/bin/python -m eval.attacks [--out eval/results/ingress_attacks.jsonl]
@@ -98,6 +98,16 @@ def crash_inputs(vocab_size: int) -> list[Attack]:
         Attack("empty text prompt", {"text": ""}),
         Attack("top_logprobs_num above the vocabulary size",
                {"return_logprob": True, "top_logprobs_num": 10 * vocab_size}),
+    ]
+
+
+def malformed_inputs(adapter: str) -> list[Attack]:
+    """Malformed requests that stock SGLang 0.5.23 answers with HTTP 500 (an internal error, the server stays up)
+    rather than a 400 naming the problem."""
+    return [
+        Attack("lora_path list shorter than the batch", {"text": ["a", "b"], "lora_path": [adapter]}),
+        Attack("lora_path list longer than the batch", {"text": ["a", "b"], "lora_path": [adapter] * 3}),
+        Attack("lora_path list for a single prompt", {"text": "a", "lora_path": [adapter]}),
     ]
 
 
@@ -198,9 +208,17 @@ def run_arm(arm: str, model_path: str, tokenizer, out, args) -> list[dict]:
             body_prompt = [1, 2, 3]
             record({"kind": "crash input", "prompt_tokens": len(body_prompt),
                     **run_attack(handle.url, body_prompt, attack)})
+        for attack in malformed_inputs(victim):
+            if not alive(handle.url):
+                handle.stop()
+                handle = launch(model_path, server_args, log_path=f"/tmp/sgl_multilora_attacks_{arm}.log")
+            record({"kind": "malformed input", "prompt_tokens": 0, **run_attack(handle.url, [1, 2, 3], attack)})
     finally:
         handle.stop()
     return rows
+
+
+CACHE_KINDS = ("adapter cache", "tenant cache")
 
 
 def summarize(rows: list[dict]) -> str:
@@ -218,15 +236,16 @@ def summarize(rows: list[dict]) -> str:
             elif r["status"] != 200:
                 cells.append(f"{r['status']}")
             else:
-                cells.append(f"{r['cached_tokens']}/{r['prompt_tokens']} cached" if kind != "crash input" else "200")
+                cells.append(f"{r['cached_tokens']}/{r['prompt_tokens']} cached" if kind in CACHE_KINDS else "200")
         lines.append(f"| {name} | {kind} | " + " | ".join(cells) + " |")
     totals = []
     for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]
-        leaked = sum(1 for r in mine if r["kind"] != "crash input" and (r["cached_tokens"] or 0) > 0)
+        leaked = sum(1 for r in mine if r["kind"] in CACHE_KINDS and (r["cached_tokens"] or 0) > 0)
         died = sum(1 for r in mine if not r["server_alive"])
-        totals.append(f"- {arm}: {leaked} of {sum(r['kind'] != 'crash input' for r in mine)} cache attacks read "
-                      f"cached KV; {died} requests stopped the server")
+        internal = sum(1 for r in mine if r["server_alive"] and isinstance(r["status"], int) and r["status"] >= 500)
+        totals.append(f"- {arm}: {leaked} of {sum(r['kind'] in CACHE_KINDS for r in mine)} cache attacks read "
+                      f"cached KV; {died} requests stopped the server; {internal} got an internal error (5xx)")
     return "\n".join(lines + [""] + totals)
 
 
