@@ -7,7 +7,9 @@ Each step: copies that finished complete; requests that arrived join the waiting
 for its parent's reply, as a real client must); waiting requests are admitted first come, first served (one
 that waits for its adapter or a slot lets the next go; one that lacks KV memory stops admission); the batch is
 the prefill chunks (at most `chunk_tokens` per step) plus one decode token per decoding request; the clock
-advances by the latency model's step time. When nothing can run, the clock jumps to the next arrival or copy.
+advances by the latency model's step time. A request whose reused KV is still being copied in from a host KV
+tier (`SimRequest.ready_s`) is admitted but prefills only once the copy is done. When nothing can run, the clock
+jumps to the next arrival or copy.
 Every admitted request reserves KV for its whole prompt and output, so no request is ever preempted.
 """
 
@@ -30,7 +32,8 @@ from eval.sim.tokens import build_tokens
 class SimConfig:
     """`chunk_tokens`: SGLang's chunked-prefill size (8192 on an 80 GB GPU). `max_running`: cap on running
     requests. `scan_limit`: waiting requests examined per step. `sample_period_s`: memory-sample period.
-    `check_every_step`: run every invariant checker after each step (tests)."""
+    `check_every_step`: run every invariant checker after each step (tests). `host_kv_bytes`: size of the host
+    KV tier (systems/ours.py; an arm's `:no-host-kv` / `:host-kv=` suffix overrides it)."""
 
     chunk_tokens: int = 8192
     max_running: int = 256
@@ -38,6 +41,7 @@ class SimConfig:
     sample_period_s: float = 1.0
     check_every_step: bool = False
     pool_bytes: int | None = None  # default: memory.pool_bytes(latency model)
+    host_kv_bytes: int | None = None  # host KV tier of the systems with one; None: hostkv.HOST_KV_BYTES, 0: off
 
 
 @dataclass
@@ -72,7 +76,7 @@ def simulate(arm: str, adapters, requests, experiment: str = "sim", lat: Latency
     Raises ValueError for a malformed workload and RuntimeError if a request can never be admitted."""
     lat = lat or LatencyModel()
     adapters = tuple(adapters)
-    system = create_system(arm, adapters, lat, config.pool_bytes or pool_bytes(lat))
+    system = create_system(arm, adapters, lat, config.pool_bytes or pool_bytes(lat), config.host_kv_bytes)
     reqs = _sim_requests(adapters, tuple(requests), alora_invocation_tokens)
     return _Loop(system, reqs, lat, config, experiment).run()
 
@@ -172,9 +176,12 @@ class _Loop:
         lora_tokens = self.decode_lora
         weights = sum(self.system.weight_bytes[a] for a in self.decode_adapters)
         extra: set[str] = set()
+        now = self.system.now
         for sr in self.prefilling:
             if budget <= 0:
                 break
+            if sr.ready_s > now:  # the KV it reuses is still being copied in from the host
+                continue
             n = min(budget, len(sr.prompt) - sr.computed)
             budget -= n
             prefill.append((sr, n))
@@ -257,7 +264,7 @@ class _Loop:
             cached_tokens=sr.cached, ttft_s=sr.first_token_s - sr.submit_s, tpot_s=tpot,
             e2e_s=sr.finish_s - sr.submit_s,
             extra={"simulated": True, "submit_s": sr.submit_s, "queue_s": sr.admit_s - sr.submit_s,
-                   "adapter_was_resident": sr.adapter_was_resident},
+                   "adapter_was_resident": sr.adapter_was_resident, "host_restored_tokens": sr.restored},
         )
 
     def _summary(self) -> dict:
@@ -266,6 +273,7 @@ class _Loop:
         tpot = np.array([r.tpot_s for r in res if r.output_tokens > 1])
         prompt = sum(len(sr.prompt) for sr in self.done)
         cached = sum(sr.cached for sr in self.done)
+        history = sum(sr.req.history_tokens for sr in self.done)  # conversation history in the prompts
         with_adapter = [sr for sr in self.done if sr.req.adapter is not None]
         kv = sum(s["kv_cached"] for s in self.samples)
         invalid = sum(s["invalid_kv"] for s in self.samples)
@@ -276,9 +284,14 @@ class _Loop:
             "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
             "tpot_mean_s": float(tpot.mean()) if len(tpot) else None,
             "kv_hit_rate": cached / prompt if prompt else 0.0,
+            "kv_host_hit_rate": sum(sr.restored for sr in self.done) / prompt if prompt else 0.0,
+            "history_recompute_share": (sum(max(0, sr.req.history_tokens - sr.cached) for sr in self.done)
+                                        / history if history else 0.0),
             "adapter_hit_rate": (sum(sr.adapter_was_resident for sr in with_adapter) / len(with_adapter)
                                  if with_adapter else None),
             "invalid_kv_share": invalid / kv if kv else 0.0,
             "num_adapter_loads": self.system.num_loads,
+            "num_kv_restores": self.system.num_restores,
+            "host_kv_mean_bytes": float(np.mean([s["host_kv"] for s in self.samples])) if self.samples else 0.0,
             "makespan_s": max((sr.finish_s for sr in self.done), default=0.0),
         }

@@ -10,9 +10,12 @@ area "all" (unified) or "adapter" / "kv" / "slots" (static splits):
 `in_flight` is memory reserved for a host->GPU copy not yet finished. Per area, at every step:
 free + adapter + kv_cached + kv_running + in_flight == capacity (integers, so the check is exact).
 
+`in_flight` holds both adapter copies and history KV being copied back from the host tier.
+
 Host tier: every adapter's weights stay in pinned host memory (ELORA never drops them), so an evicted adapter
-can always be copied back (`latency.LatencyModel.h2d_time`). Evicted KV is dropped and recomputed: the tree has
-no host-resident node state yet, so ELORA's host KV tier is not modelled (any system here).
+can always be copied back (`latency.LatencyModel.h2d_time`). History KV: ours (and its ablations) spill evicted
+KV to a bounded host KV pool with its own exact counter (`hostkv.HostKVTier`); the baselines drop it and
+recompute it (systems/__init__.py says why).
 """
 
 from __future__ import annotations

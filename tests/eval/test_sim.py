@@ -1,5 +1,5 @@
 """The GPU-scale simulator: latency model against hand-computed figures, exact memory accounting at every step,
-the dependency invariant, invalid KV, history and aLoRA reuse, determinism and bad input."""
+the dependency invariant, invalid KV, history and aLoRA reuse, the host KV tier, determinism and bad input."""
 
 from __future__ import annotations
 
@@ -135,10 +135,12 @@ def test_memory_accounting_exact_every_step(arm):
 
 def test_deterministic_for_a_seed():
     ads, reqs = chat(seed=3)
-    a = simulate("ours:elora", ads, reqs, config=SimConfig(pool_bytes=500_000_000))
-    b = simulate("ours:elora", ads, reqs, config=SimConfig(pool_bytes=500_000_000))
+    cfg = SimConfig(pool_bytes=500_000_000, host_kv_bytes=60_000_000)
+    a = simulate("ours:elora", ads, reqs, config=cfg)
+    b = simulate("ours:elora", ads, reqs, config=cfg)
     assert [json.dumps(r.to_json()) for r in a.results] == [json.dumps(r.to_json()) for r in b.results]
     assert a.samples == b.samples and a.summary == b.summary
+    assert a.summary["num_kv_restores"] > 0 and a.system.host.num_dropped_tokens > 0  # both tiers at work
     other = chat(seed=4)[1]
     assert [r.arrival_s for r in other] != [r.arrival_s for r in reqs]
 
@@ -226,7 +228,7 @@ def test_compare_writes_results(tmp_path):
     md = (tmp_path / "sim_small.md").read_text()
     assert "simulated" in md and "-45.7%" in md and "1.51x" in md and "1.42x" in md
     runs = [json.loads(line) for line in open(f"{out}_runs.jsonl")]
-    assert len(runs) == 2 * 4 + 2 * 10 and all(r["device"].startswith("simulated") for r in runs)
+    assert len(runs) == 2 * 5 + 2 * 11 and all(r["device"].startswith("simulated") for r in runs)
     records = [json.loads(line) for line in open(f"{out}.jsonl")]
     assert records and {r["arm"] for r in records} == {"vllm", "slora", "sglang", "ours:elora"}
     assert all(r["extra"]["request_rate"] > 0 and 0 <= r["extra"]["hits"]["kv"] <= 1 for r in records)
@@ -261,3 +263,80 @@ def test_alora_pipelines_under_pressure_keep_every_invariant(arm):
     if arm == "ours:elora":
         assert _invalid_tokens_by_walk(run.system) == 0
         assert run.system.tree.stats().hits["alora_base_prefix"] > 0
+
+
+# ---- host KV tier ------------------------------------------------------------------------------------------
+
+def test_history_comes_back_from_host_hand_computed():
+    """r1's KV is evicted by r2 (the pool holds 1100 tokens), so it goes to the host tier. r3 and r4 continue
+    r1's conversation at t = 2: r3 gets r1's 1001 tokens copied back (one PCIe copy), r4 reuses them from the
+    GPU but must wait for the same copy; both then prefill their 10 new tokens in one step. Without the tier r3
+    recomputes all 1011 tokens."""
+    reqs = [req("r1", 0.0, 1000, 1, session="a"), req("r2", 1.0, 1000, 1, session="b"),
+            req("r3", 2.0, 10, 1, parent="r1", history=1001, session="a", turn=1),
+            req("r4", 2.0, 10, 1, parent="r1", history=1001, session="c", turn=1)]
+    cfg = SimConfig(check_every_step=True, pool_bytes=1100 * KVB)
+    run = simulate("ours:elora", (), reqs, config=cfg)
+    res = {r.rid: r for r in run.results}
+    copy = 10e-6 + 1001 * KVB / 50e9  # h2d_time: PCIe latency + bytes / 50 GB/s
+    pairs = 10 * 1001 + 10 * 11 / 2  # 10 new tokens after 1001 cached ones
+    # both prefills in one step; 20 tokens are weight-read bound (16.06 GB at 85% of 3.35 TB/s)
+    step = max(16.06e9 / HBM, 20 * 2 * 8.03e9 / FLOPS) + 4 * 32 * 4096 * (2 * pairs) / FLOPS
+    assert step == pytest.approx(5.66e-3, rel=1e-2)
+    for rid in ("r3", "r4"):
+        assert res[rid].cached_tokens == 1001
+        assert res[rid].ttft_s == pytest.approx(copy + step, rel=1e-12), rid
+    assert res["r3"].extra["host_restored_tokens"] == 1001 and res["r4"].extra["host_restored_tokens"] == 0
+    host = run.system.host
+    assert host.num_restored_tokens == 1001 and run.summary["num_kv_restores"] == 1
+    assert host.used_bytes == 2002 * KVB  # r1 and r2 spilled; inclusive: r1's copy stays after the restore
+    assert run.samples[-1]["host_kv"] == 2002 * KVB
+
+    off = simulate("ours:elora:no-host-kv", (), reqs, config=cfg)
+    r3 = next(r for r in off.results if r.rid == "r3")
+    assert r3.cached_tokens == 0 and off.system.host is None and off.summary["num_kv_restores"] == 0
+    alone = 1011 * 2 * 8.03e9 / FLOPS + 4 * 32 * 4096 * (1011 * 1012 / 2) / FLOPS
+    assert r3.ttft_s == pytest.approx(alone, rel=1e-12)
+    same = simulate("ours:elora", (), reqs, config=SimConfig(check_every_step=True, pool_bytes=1100 * KVB,
+                                                              host_kv_bytes=0))
+    assert [r.ttft_s for r in same.results] == [r.ttft_s for r in off.results]
+
+
+def _host_tokens_by_walk(host) -> int:
+    total, stack = 0, [host.tree.root]
+    while stack:
+        node = stack.pop()
+        total += len(node.key) if node.kind is NodeKind.KV else 0
+        stack.extend(node.children.values())
+    return total
+
+
+@pytest.mark.parametrize("arm", ["ours:elora", "ours:elora:no-tree", "ours:lru"])
+def test_host_tier_accounting_exact_every_step(arm):
+    """A 24-adapter workload in a 3 GB GPU pool and a 0.1 GB host pool: KV spills, the host drops its LRU runs and
+    copies KV back; every step the GPU kinds and the host counter add up (the systems' checkers run each
+    step), and KV only comes back below a resident adapter (invalid KV stays 0 with the tree)."""
+    ads, reqs = chat(num_conversations=40, num_adapters=24, rank=(64,), modules=ALL, seed=1)
+    cap = 100_000_000  # ~760 tokens: the host must drop runs
+    run = simulate(arm, ads, reqs, config=SimConfig(pool_bytes=3_000_000_000, host_kv_bytes=cap,
+                                                    check_every_step=True))
+    host = run.system.host
+    assert len(run.results) == len(reqs)
+    assert host.num_restored_tokens > 0 and host.num_dropped_tokens > 0, "the test is too easy"
+    assert host.used_bytes == _host_tokens_by_walk(host) * KVB
+    assert host.used_bytes == (host.num_spilled_tokens - host.num_dropped_tokens) * KVB
+    assert all(0 <= s["host_kv"] <= cap for s in run.samples)
+    assert sum(r.extra["host_restored_tokens"] for r in run.results) == host.num_restored_tokens
+    assert not run.system.restores and run.system.restoring_tokens == 0
+    if arm != "ours:elora:no-tree":
+        assert all(s["invalid_kv"] == 0 for s in run.samples)
+        assert _invalid_tokens_by_walk(run.system) == 0
+
+
+@pytest.mark.parametrize("arm", ["vllm", "slora", "sglang", "ours:elora:no-host-kv"])
+def test_baselines_have_no_host_tier(arm):
+    ads, reqs = chat()
+    run = simulate(arm, ads, reqs, config=SimConfig(check_every_step=True, pool_bytes=500_000_000))
+    assert run.system.host is None and run.summary["num_kv_restores"] == 0
+    assert all(s["host_kv"] == 0 for s in run.samples)
+    assert all(r.extra["host_restored_tokens"] == 0 for r in run.results)

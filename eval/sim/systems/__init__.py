@@ -5,8 +5,14 @@
 - `sglang`: fixed adapter slots, radix cache with LRU (`sglang.py`);
 - `ours:<policy>` with policy `lru`, `elora` or `chameleon`, and ELORA's ablations as suffixes
   `ours:elora:no-tree` (WOM), `ours:elora:-lora_count` (WOL), `-cost` (WOC), `-visit` (WOV), `-recency` (WOU),
-  `ours:elora:tau=<seconds>` (the time unit of the decay term) and `:no-prefetch` (no idle swap-in);
-  suffixes combine (`ours.py`).
+  `ours:elora:tau=<seconds>` (the time unit of the decay term), `:no-prefetch` (no idle swap-in),
+  `:no-host-kv` (no host KV tier: evicted KV is dropped, the pre-tier model) and `:host-kv=<GB>` (host KV pool
+  size); suffixes combine (`ours.py`).
+
+Host KV tier (`hostkv.py`): only ours and its ablations have one. ELORA's vLLM baseline is vLLM's GPU prefix
+cache with LRU in each area (seed-elora.md 5.4: no host KV tier), S-LoRA keeps no history KV at all, and stock
+SGLang's LoRA radix cache had no hierarchical (host) cache (seed-elora.md 7: issue #9144), so the baselines
+drop evicted KV and recompute it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ BASELINES = {"vllm": VllmLike, "slora": SLoraLike, "sglang": SglangLike}
 
 
 def create_system(arm: str, adapters: list[AdapterInfo] | tuple[AdapterInfo, ...], lat: LatencyModel,
-                  pool_total_bytes: int) -> BaseSystem:
-    """Builds the system an arm name describes. Raises ValueError naming a malformed arm."""
+                  pool_total_bytes: int, host_kv_bytes: int | None = None) -> BaseSystem:
+    """Builds the system an arm name describes. `host_kv_bytes`: host KV pool of the systems that have one
+    (None: `hostkv.HOST_KV_BYTES`, 0: off); an arm's `:no-host-kv` / `:host-kv=` suffix wins. Raises ValueError
+    naming a malformed arm."""
     if arm in BASELINES:
         return BASELINES[arm](adapters, lat, pool_total_bytes)
     parts = arm.split(":")
@@ -37,6 +45,10 @@ def create_system(arm: str, adapters: list[AdapterInfo] | tuple[AdapterInfo, ...
             dependency = False
         elif suffix == "no-prefetch":
             prefetch = False
+        elif suffix == "no-host-kv":
+            host_kv_bytes = 0
+        elif suffix.startswith("host-kv="):
+            host_kv_bytes = int(float(suffix[8:]) * 1e9)
         elif suffix.startswith("-") and policy == "elora":
             drop.append(suffix[1:])
         elif suffix.startswith("tau=") and policy in ("elora", "chameleon"):
@@ -46,6 +58,6 @@ def create_system(arm: str, adapters: list[AdapterInfo] | tuple[AdapterInfo, ...
     if drop:
         kwargs["drop"] = drop
     system = Ours(adapters, lat, pool_total_bytes, policy=policy, policy_kwargs=kwargs, dependency=dependency,
-                  prefetch=prefetch)
+                  prefetch=prefetch, host_kv_bytes=host_kv_bytes)
     system.name = arm
     return system

@@ -6,6 +6,13 @@ swap-out); an adapter is a candidate only when no resident KV depends on it, so 
 closed under dependency and invalid KV is 0. When used memory is below `idle_watermark` (ELORA: 70%), every
 `swap_period_s` (100 ms) non-resident adapters are prefetched in descending score (ELORA's swap-in).
 
+Host KV tier (`host_kv_bytes`, default `hostkv.HOST_KV_BYTES`; 0 turns it off, arm suffix `:no-host-kv`):
+a KV leaf the heap evicts is spilled to a bounded, LRU host pool and copied back over PCIe when a request's GPU
+match stops where the host's continues (`hostkv.py`, `BaseSystem.start_restore`). With the tier, cost_i of a KV
+run is its PCIe copy time (ELORA: "computed using the PCIe bandwidth and size of the KV or LoRA"), without it
+its recompute time. ELORA's ablations keep the tier (they change only the score or the tree). ELORA's idle
+prefetch of host KV is not modelled (only adapters are prefetched).
+
 `dependency=False` is ELORA's WOM ablation: adapters are evicted by the same score while their KV stays (that
 KV is invalid until the adapter returns).
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 
+from eval.sim.hostkv import HOST_KV_BYTES, HostKVTier, gpu_path
 from eval.sim.systems.base import NS, BaseSystem
 from sgl_multilora.policy import create_policy
 from sgl_multilora.tree_nodes import Node, NodeKind
@@ -29,8 +37,13 @@ class Ours(BaseSystem):
     def __init__(self, adapters, lat, pool_total_bytes: int, policy: str = "elora",
                  policy_kwargs: dict | None = None, dependency: bool = True, prefetch: bool = True,
                  headroom_frac: float = 0.01, idle_watermark: float = 0.7,
-                 swap_period_s: float = 0.1) -> None:
+                 swap_period_s: float = 0.1, host_kv_bytes: int | None = None) -> None:
         super().__init__(adapters, lat, pool_total_bytes)
+        host_kv_bytes = HOST_KV_BYTES if host_kv_bytes is None else host_kv_bytes
+        if host_kv_bytes:
+            self.host = HostKVTier(host_kv_bytes, self.kvb, clock=lambda: self.now)
+            self.usage.kv_reload_s_per_token = self.kvb / lat.hw.pcie_bytes_per_s
+        self.by_identity = {r.identity: r for r in self.refs.values()}
         self.policy = create_policy(policy, context=self.usage, **(policy_kwargs or {}))
         self.tree.score = self.policy
         self.dependency = dependency
@@ -40,7 +53,8 @@ class Ours(BaseSystem):
         self.swap_period_s = swap_period_s
         self._next_swap_s = 0.0
         self.num_prefetches = 0
-        self.name = f"ours:{policy}" + ("" if dependency else ":no-tree")
+        self.name = (f"ours:{policy}" + ("" if dependency else ":no-tree")
+                     + ("" if self.host is not None else ":no-host-kv"))
 
     # ---- adapters are tree nodes ----------------------------------------------------------------------
 
@@ -97,6 +111,8 @@ class Ours(BaseSystem):
             if item.is_evicted or item.children or item.lock_ref:
                 continue
             parent, dep = item.parent, item.depends_on
+            if self.host is not None:
+                self.host.spill(*gpu_path(item, self.by_identity, NS))
             self.tree.evict_leaf(item, self.free_kv)
             if parent.kind is NodeKind.KV and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.policy.score(parent, self.now), 0, parent.id, parent))
