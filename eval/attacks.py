@@ -3,7 +3,8 @@
 A victim request (an adapter, or a tenant's `cache_salt`) caches a long prompt; each attack then sends the same prompt
 with crafted namespace fields and reads `meta_info.cached_tokens`: any cached token is KV computed for the victim's
 namespace, read by a request outside it. Crash inputs are single requests that stopped stock SGLang 0.5.23's server
-processes; malformed inputs are requests it answered with an internal error (HTTP 500). The same catalogue drives the e2e tests (`tests/e2e/test_ingress.py`) and this report.
+processes; malformed inputs are requests it mishandled (an internal error, a dead server, or extra entries silently
+ignored). The same catalogue drives the e2e tests (`tests/e2e/test_ingress.py`) and this report.
 
 Usage (starts its own CPU servers with the embedded model and the bundled adapters; a few minutes):
     .venv/bin/python -m eval.attacks [--out eval/results/ingress_attacks.jsonl]
@@ -102,8 +103,9 @@ def crash_inputs(vocab_size: int) -> list[Attack]:
 
 
 def malformed_inputs(adapter: str) -> list[Attack]:
-    """Malformed requests that stock SGLang 0.5.23 answers with HTTP 500 (an internal error, the server stays up)
-    rather than a 400 naming the problem."""
+    """`lora_path` lists that do not give one adapter per prompt. Stock SGLang 0.5.23 answers a shorter list with HTTP
+    500, ignores the extra entries of a longer one, and a list sent with a single prompt stops its server; none gets
+    a 400 naming the problem."""
     return [
         Attack("lora_path list shorter than the batch", {"text": ["a", "b"], "lora_path": [adapter]}),
         Attack("lora_path list longer than the batch", {"text": ["a", "b"], "lora_path": [adapter] * 3}),

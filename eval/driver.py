@@ -5,8 +5,9 @@ with a parent waits for it and sends the parent's prompt text + the parent's act
 (eval/workloads/text.py). Recorded per request (eval/requests.py `RequestResult`, one JSON line written as soon as
 the request finishes): TTFT, mean inter-token time (TPOT) with the P50/P99 inter-token gaps, end-to-end latency,
 the server's prompt / completion / cached token counts, errors, and, where the server has the plugin, its memory by
-kind right after the request finished (`memory_bytes`, from `GET /multilora/stats`: `memory_by_kind`). Workload adapters are mapped onto the adapters the
-server has (`map_adapters`). Not here: starting servers (eval/arms.py) or summarising results (eval/report.py).
+kind right after the request finished (`memory_bytes`, from `GET /multilora/stats`: `memory_by_kind`). Workload
+adapters are mapped onto the adapters the server has (`map_adapters`). Not here: starting servers (eval/arms.py) or
+summarising results (eval/report.py).
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ import datetime
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import requests
 from tqdm import tqdm
 
 from eval.arms import (
@@ -94,10 +96,6 @@ def flush_cache(arm: str, url: str, bar) -> None:
     """Empties the server's prefix cache (SGLang's `/flush_cache`) so that a replay does not hit what the previous
     replay of the same workload cached. SGLang refuses while requests are in flight; then this retries for 60 s and
     says so if it still cannot."""
-    import time
-
-    import requests
-
     deadline = time.time() + 60
     while True:
         try:

@@ -106,7 +106,8 @@ MALFORMED = [
     ({"input_ids": []}, "empty"),
     ({"text": ["a", "b"], "lora_path": [VICTIM]}, "lora_path has 1 entries for a batch of 2 prompts"),
     ({"text": ["a", "b"], "lora_path": [VICTIM, OTHER, VICTIM]}, "lora_path has 3 entries for a batch of 2 prompts"),
-    ({"text": ["a", "b"], "lora_path": [VICTIM, {"name": OTHER}]}, "lora_path"),  # refused by the request schema already
+    # refused by the HTTP request schema before our check
+    ({"text": ["a", "b"], "lora_path": [VICTIM, {"name": OTHER}]}, "lora_path"),
     ({"text": "a", "lora_path": [VICTIM]}, "single adapter name for a single prompt"),
 ]
 
