@@ -1,4 +1,5 @@
 """`make demo`: a real SGLang server on CPU with the plugin, the embedded model and every bundled adapter.
+Not here: measurements (eval/live/, eval/bench/).
 
 Sends requests to the base model and to each adapter (the standard LoRAs concurrently, so batches mix adapters),
 then a pipeline for each aLoRA check (a base answer, then the check on the same context, which reuses the base

@@ -12,6 +12,7 @@ What lives here and why (each fix is a no-op where torch is a CUDA/ROCm build):
   `inv_freq` buffers come out uninitialised), and the CPU LoRA path (`lora_transformers.py`) never reaches the SGLang
   code that passes `pin_memory=True`.
 
+Both are rows of the touch-point table (`hook_table.py`, kind "process-wide patch").
 `install()` puts an import hook on `sys.meta_path` that applies the fixes when torch / torchvision are first imported,
 so it must run before SGLang is imported: the CPU set-up (`scripts/setup_env.sh`) writes a one-line `.pth` file that
 calls it at interpreter start-up. It imports nothing itself and costs nothing until torch is imported.
@@ -29,11 +30,14 @@ def torch_is_cpu_only(torch_module) -> bool:
     return torch_module.version.cuda is None and getattr(torch_module.version, "hip", None) is None
 
 
+def _unpinned(self, *args, **kwargs):
+    """`Tensor.pin_memory` on a CPU-only torch: the tensor itself (there is no device to copy to)."""
+    return self
+
+
 def _patch_pin_memory(torch_module) -> None:
-    if not torch_is_cpu_only(torch_module) or getattr(torch_module, "_sgl_multilora_pin_patched", False):
-        return
-    torch_module.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    torch_module._sgl_multilora_pin_patched = True
+    if torch_is_cpu_only(torch_module) and torch_module.Tensor.pin_memory is not _unpinned:
+        torch_module.Tensor.pin_memory = _unpinned
 
 
 class _PostImportLoader(importlib.abc.Loader):

@@ -7,7 +7,7 @@ SGLang 0.5.23's `TorchNativeAttnBackend._run_sdpa_forward_extend` builds, per re
 long as the whole sequence (prefix + new tokens), fills only the new rows, runs causal attention
 over all of it, then drops the prefix rows. Its cost grows with the square of the full length
 however much of it was cached: on a CPU SmolLM2-135M server, 3 new tokens after 2048 cached ones
-took a third of a cold 2048-token prefill (eval/bench_cpu_extend.py). Here a request's new tokens
+took a third of a cold 2048-token prefill (eval/bench/cpu_extend.py). Here a request's new tokens
 attend to its cached prefix plus themselves, with the causal mask aligned to the lower right:
 
     keys:          0 ... prefix_len-1 | prefix_len ... seq_len-1

@@ -9,6 +9,7 @@ process (scheduler, detokenizer, data-parallel controller) inherits. `current()`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -40,6 +41,18 @@ class MultiLoRAArgs:
     # 0.5.23's own handling, for baseline measurements only (a request can then read another adapter's cached KV or
     # stop the server).
     ingress: str = "strict"
+    # Adapters are loaded only from inside this directory (symlinks resolved): a load outside it gets HTTP 400
+    # that reveals nothing about the path. A relative lora_path in /load_lora_adapter is taken under it.
+    adapter_root: str | None = None
+    # Largest adapter weight file accepted, in MiB (a larger one gets HTTP 400 naming both sizes).
+    max_adapter_mb: int = 4096
+    # Test mode: check the LoRA-aware tree's invariants after every scheduler step (an assertion stops the server);
+    # pair it with SGLang's SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1 for the KV slot accounting.
+    check_invariants: bool = False
+
+    @property
+    def max_adapter_bytes(self) -> int:
+        return self.max_adapter_mb << 20
 
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
@@ -55,6 +68,22 @@ def _adapter_dir(value: str) -> str:
     if not subdirs:
         raise argparse.ArgumentTypeError(f"{value!r} holds no adapter (no */adapter_config.json)")
     return os.path.abspath(value)
+
+
+def _directory(value: str) -> str:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    return os.path.realpath(value)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return number
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +120,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "measurements only: unsafe).",
     )
     group.add_argument(
+        "--multilora-adapter-root",
+        type=_directory,
+        default=MultiLoRAArgs.adapter_root,
+        metavar="DIR",
+        help="Load adapters only from inside DIR (symlinks resolved); /load_lora_adapter requests for paths "
+        "outside it get HTTP 400 without any detail about the path. Relative request paths are taken under DIR.",
+    )
+    group.add_argument(
+        "--multilora-max-adapter-mb",
+        type=_positive_int,
+        default=MultiLoRAArgs.max_adapter_mb,
+        metavar="MB",
+        help="Largest adapter weight file (adapter_model.safetensors) the server loads, in MiB.",
+    )
+    group.add_argument(
+        "--multilora-check-invariants",
+        action="store_true",
+        default=MultiLoRAArgs.check_invariants,
+        help="Test mode: check the LoRA-aware tree's invariants after every scheduler step (slow; a violation "
+        "stops the server with the failed invariant).",
+    )
+    group.add_argument(
         "--multilora-lora-ops",
         choices=LORA_OPS_CHOICES,
         default=MultiLoRAArgs.lora_ops,
@@ -113,16 +164,13 @@ def pop_from_namespace(namespace: argparse.Namespace) -> MultiLoRAArgs:
 def export(args: MultiLoRAArgs) -> None:
     """Makes `args` what `current()` returns here and in every process spawned from now on."""
     os.environ[ENV_VAR] = json.dumps(asdict(args))
-    _cache.clear()
-
-
-_cache: dict[str, MultiLoRAArgs] = {}
 
 
 def current() -> MultiLoRAArgs:
     """The flags this server was started with (defaults when started without them, e.g. through the Engine API)."""
-    raw = os.environ.get(ENV_VAR, "")
-    if raw not in _cache:
-        _cache.clear()
-        _cache[raw] = MultiLoRAArgs(**json.loads(raw)) if raw else MultiLoRAArgs()
-    return _cache[raw]
+    return _parse(os.environ.get(ENV_VAR, ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(raw: str) -> MultiLoRAArgs:
+    return MultiLoRAArgs(**json.loads(raw)) if raw else MultiLoRAArgs()

@@ -1,7 +1,18 @@
-"""Every SGLang symbol the plugin hooks, in one table, with the parameters each hook relies on.
+"""Every place the plugin touches SGLang (or torch, process-wide), in one table: what, of which kind, where, why.
 
-`check()` resolves each target and compares its signature with what the hook expects, so a drifted SGLang is caught
-when the plugin registers (at server start-up), never on the first request.
+Nothing outside this table reaches into SGLang: the hooks translate SGLang's objects into the core's types and ask
+the process's state owners (`state.py`). `check()` resolves every target and compares its signature with what the
+touch point relies on, so a drifted SGLang is caught when the plugin registers (at server start-up) or when the
+frontend is imported, never on the first request.
+
+Kinds:
+- `hook`: SGLang's HookRegistry wraps the target (`hook_type` around / before / after); `plugin.register` applies it.
+- `registry entry`: an entry added through SGLang's own registration function; `plugin.register` calls `impl`.
+- `route`: an HTTP route added to SGLang's FastAPI app; installed by the `launch_server` hook (HTTP process only).
+- `parser edit`: a change to an argument SGLang's parser already defines; made by the `add_cli_args` hook.
+- `override`: a method of an SGLang class that a subclass of ours overrides (client-side frontend DSL).
+- `process-wide patch`: an attribute replaced for the whole process (CPU-only torch builds only); installed by the
+  start-up `.pth` hook of the CPU set-up and again by `plugin.register`.
 """
 
 from __future__ import annotations
@@ -9,94 +20,199 @@ from __future__ import annotations
 import inspect
 import pkgutil
 from dataclasses import dataclass
+from enum import StrEnum
 
 SUPPORTED_SGLANG = "0.5.23"
 
 
+class Kind(StrEnum):
+    HOOK = "hook"
+    REGISTRY = "registry entry"
+    ROUTE = "route"
+    PARSER = "parser edit"
+    OVERRIDE = "override"
+    PROCESS_PATCH = "process-wide patch"
+
+
+class Process(StrEnum):
+    """Where a touch point takes effect."""
+
+    ALL = "every server process"
+    HTTP = "HTTP / tokenizer process"
+    SCHEDULER = "scheduler process"
+    CLIENT = "client (frontend DSL)"
+
+
 @dataclass(frozen=True)
-class HookSpec:
-    target: str  # dotted path of the SGLang function / method
-    kind: str  # HookRegistry hook type: "around", "after", "before", "replace"
-    hook: str  # "module:function" inside sgl_multilora.patches
-    params: tuple[str, ...]  # parameter names of the target the hook relies on
+class TouchPoint:
+    target: str  # dotted path of the SGLang (or torch) symbol touched
+    kind: Kind
+    impl: str  # "module:attribute" of our code that makes the touch (module relative to sgl_multilora)
+    params: tuple[str, ...]  # parameter names of the target the touch relies on
     why: str
+    process: Process = Process.SCHEDULER
+    hook_type: str | None = None  # for Kind.HOOK: HookRegistry's "around", "before", "after", "replace"
+    also: tuple[str, ...] = ()  # other symbols the touch relies on (resolved by `check`, signatures not compared)
+
+    def __post_init__(self) -> None:
+        assert (self.kind is Kind.HOOK) == (self.hook_type is not None), f"hook_type is for hooks only: {self}"
 
 
-_LORA_MANAGER = "sglang.srt.lora.lora_manager.LoRAManager"
+_LM = "sglang.srt.lora.lora_manager.LoRAManager"
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_RE = "sglang.lang.backend.runtime_endpoint"
 
-HOOKS: tuple[HookSpec, ...] = (
-    HookSpec("sglang.srt.server_args.ServerArgs.add_cli_args", "around", "cli:add_cli_args", ("parser",),
-             "add the --multilora-* flags to SGLang's parser"),
-    HookSpec("sglang.srt.server_args.ServerArgs.from_cli_args", "around", "cli:from_cli_args", ("args",),
-             "take the --multilora-* values out of the namespace and export them to every process"),
-    HookSpec(f"{_LORA_MANAGER}.init_lora_modules", "around", "lora_transformers:init_lora_modules", ("self",),
-             "apply LoRA on the --model-impl transformers path, which SGLang's LoRA layers do not reach"),
-    HookSpec(f"{_LORA_MANAGER}._load_lora_adapter", "around", "lora_transformers:load_lora_adapter",
-             ("self", "lora_ref"), "validate adapters (files, config, rank, target modules) with clear errors"),
-    HookSpec(f"{_LORA_MANAGER}._unload_lora_adapter", "around", "lora_transformers:unload_lora_adapter",
-             ("self", "lora_ref"), "drop an unloaded adapter's weights"),
-    HookSpec(f"{_LORA_MANAGER}.fetch_new_loras", "around", "lora_transformers:fetch_new_loras",
-             ("self", "new_loras"), "skip SGLang's slot copies on the path where its LoRA layers are not used"),
-    HookSpec("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "before",
-             "lora_transformers:forward_batch_init_new", ("cls", "batch"),
-             "see the batch's requests (aLoRA activation starts may lie in their cached prefix)"),
-    HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "after",
-             "alora_ingress:validate_one_request", ("self", "obj", "input_ids"),
-             "HTTP 400 for an aLoRA request whose prompt lacks the adapter's invocation sequence"),
-    HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_and_resolve_lora", "around",
-             "ingress:validate_and_resolve_lora", ("self", "obj"),
-             "HTTP 400 for a client-supplied lora_id: adapters are resolved by the server from lora_path"),
-    HookSpec("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "after",
-             "ingress:normalize_batch_and_arguments", ("self",),
-             "HTTP 400 for a lora_path list that does not give one adapter per prompt (stock answers 500)"),
-    HookSpec("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "after",
-             "ingress:validate_one_request", ("self", "obj", "input_ids"),
-             "HTTP 400 for inputs that crash stock SGLang's scheduler: empty prompt, token ids outside the vocabulary, "
-             "top_logprobs_num above it"),
-    HookSpec("sglang.srt.managers.schedule_batch.Req.__init__", "after", "ingress:req_init",
-             ("self", "extra_key", "lora_id"),
-             "cache namespace = unambiguous (client extra_key, adapter content identity), not extra_key + lora_id"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "around",
-             "ingress:add_request_to_queue", ("self", "req"),
-             "finish a request whose adapter is not loaded with HTTP 400 instead of crashing the scheduler"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "after",
-             "stats:scheduler_internal_state", ("self", "recv_req"), "add the tree's counters for /multilora/stats"),
-    HookSpec("sglang.srt.entrypoints.http_server.launch_server", "before", "stats:add_routes", ("server_args",),
-             "serve GET /multilora/stats"),
-    HookSpec(f"{_LORA_MANAGER}.prepare_lora_batch", "around", "lora_transformers:prepare_lora_batch",
-             ("self", "forward_batch"), "build the step's per-token adapter layout"),
-    HookSpec("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
-             "around", "cpu_extend_attention:run_sdpa_forward_extend",
-             ("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens",
-              "extend_prefix_lens", "extend_seq_lens", "encoder_lens", "scaling", "enable_gqa", "causal",
-              "is_cross_attn", "sliding_window_size"),
-             "CPU extend attention for the new tokens only, not the cached prefix (stock recomputes it)"),
+
+def _hook(target, hook_type, impl, params, why, process=Process.SCHEDULER) -> TouchPoint:
+    return TouchPoint(target, Kind.HOOK, f"patches.{impl}", params, why, process, hook_type)
+
+
+TOUCH_POINTS: tuple[TouchPoint, ...] = (
+    # ---- flags ----------------------------------------------------------------------------------------------------
+    _hook("sglang.srt.server_args.ServerArgs.add_cli_args", "around", "cli:add_cli_args", ("parser",),
+          "add the --multilora-* flags to SGLang's parser", Process.ALL),
+    _hook("sglang.srt.server_args.ServerArgs.from_cli_args", "around", "cli:from_cli_args", ("args",),
+          "take the --multilora-* values out of the namespace and export them to every process", Process.ALL),
+    TouchPoint("sglang.srt.server_args.ServerArgs.add_cli_args", Kind.PARSER, "patches.lora_backend:add_cli_choice",
+               ("parser",), "add 'multilora' to --lora-backend's choices (SGLang's field lists its own backends)",
+               Process.ALL, also=("sglang.srt.arg_groups.fields.lora",)),
+    # ---- registries ---------------------------------------------------------------------------------------------
+    TouchPoint("sglang.srt.mem_cache.registry.register_radix_cache_backend", Kind.REGISTRY,
+               "patches.radix_backend:register", ("name", "factory"),
+               "--radix-cache-backend multilora: SGLang's prefix-cache API on the LoRA-aware tree", Process.ALL,
+               also=("sglang.srt.mem_cache.registry.get_radix_cache_factory",)),
+    TouchPoint("sglang.srt.lora.backend.lora_registry.register_lora_backend", Kind.REGISTRY,
+               "patches.lora_backend:register", ("name",),
+               "--lora-backend multilora: SGLang's LoRA layers on our segmented kernels", Process.ALL,
+               also=("sglang.srt.lora.backend.lora_registry.LORA_SUPPORTED_BACKENDS",)),
+    # ---- LoRA on the transformers model path ----------------------------------------------------------------------
+    _hook(f"{_LM}.init_lora_modules", "around", "lora_transformers:init_lora_modules", ("self",),
+          "apply LoRA on the --model-impl transformers path, which SGLang's LoRA layers do not reach"),
+    _hook(f"{_LM}._load_lora_adapter", "around", "lora_transformers:load_lora_adapter", ("self", "lora_ref"),
+          "validate adapters (files, config, rank, target modules) with clear errors; register them"),
+    _hook(f"{_LM}._unload_lora_adapter", "around", "lora_transformers:unload_lora_adapter", ("self", "lora_ref"),
+          "drop an unloaded adapter's weights and identity"),
+    _hook(f"{_LM}.fetch_new_loras", "around", "lora_transformers:fetch_new_loras", ("self", "new_loras"),
+          "skip SGLang's slot copies on the path where its LoRA layers are not used"),
+    _hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "before",
+          "lora_transformers:forward_batch_init_new", ("cls", "batch"),
+          "see the batch's requests (aLoRA activation starts may lie in their cached prefix)"),
+    _hook(f"{_LM}.prepare_lora_batch", "around", "lora_transformers:prepare_lora_batch",
+          ("self", "forward_batch"), "build the step's per-token adapter layout"),
+    # ---- request ingress ----------------------------------------------------------------------------------------
+    _hook(f"{_TM}._validate_one_request", "after", "alora_ingress:validate_one_request",
+          ("self", "obj", "input_ids"),
+          "HTTP 400 for an aLoRA request whose prompt lacks the adapter's invocation sequence", Process.HTTP),
+    TouchPoint(f"{_TM}.load_lora_adapter", Kind.HOOK, "patches.adapter_paths:load_lora_adapter", ("self", "obj"),
+               "/load_lora_adapter: HTTP 400 revealing nothing for a path outside --multilora-adapter-root",
+               Process.HTTP, "around", also=("sglang.srt.managers.io_struct.LoadLoRAAdapterReqOutput",)),
+    _hook(f"{_TM}._validate_and_resolve_lora", "around", "ingress:validate_and_resolve_lora", ("self", "obj"),
+          "HTTP 400 for a client-supplied lora_id: adapters are resolved by the server from lora_path",
+          Process.HTTP),
+    _hook("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "after",
+          "ingress:normalize_batch_and_arguments", ("self",),
+          "HTTP 400 for a lora_path list that does not give one adapter per prompt (stock answers 500)",
+          Process.HTTP),
+    _hook(f"{_TM}._validate_one_request", "after", "ingress:validate_one_request", ("self", "obj", "input_ids"),
+          "HTTP 400 for inputs that crash stock SGLang's scheduler: empty prompt, token ids outside the "
+          "vocabulary, top_logprobs_num above it", Process.HTTP),
+    _hook("sglang.srt.managers.schedule_batch.Req.__init__", "around", "ingress:req_init",
+          ("self", "extra_key", "lora_id"),
+          "cache namespace = unambiguous (client extra_key, adapter content identity), not extra_key + lora_id"),
+    _hook("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "around",
+          "ingress:add_request_to_queue", ("self", "req"),
+          "finish a request whose adapter is not loaded with HTTP 400 instead of crashing the scheduler"),
+    # ---- /multilora/stats ---------------------------------------------------------------------------------------
+    _hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "after", "stats:scheduler_internal_state",
+          ("self", "recv_req"), "add the tree's counters and memory by kind for /multilora/stats"),
+    _hook("sglang.srt.entrypoints.http_server.launch_server", "before", "stats:add_routes", ("server_args",),
+          "install the /multilora/stats route before the app starts", Process.HTTP),
+    TouchPoint("sglang.srt.entrypoints.http_server.app", Kind.ROUTE, "patches.stats:add_routes", (),
+               "GET /multilora/stats: every scheduler's counters over SGLang's internal-state channel", Process.HTTP,
+               also=("sglang.srt.entrypoints.http_server.get_global_state",
+                     f"{_TM}.get_internal_state")),
+    _hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "after",
+          "debug_checks:process_batch_result", ("self", "batch", "result"),
+          "--multilora-check-invariants (test mode): the tree's invariants after every step"),
+    # ---- CPU attention ------------------------------------------------------------------------------------------
+    _hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+          "around", "cpu_extend_attention:run_sdpa_forward_extend",
+          ("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens",
+           "extend_prefix_lens", "extend_seq_lens", "encoder_lens", "scaling", "enable_gqa", "causal",
+           "is_cross_attn", "sliding_window_size"),
+          "CPU extend attention for the new tokens only, not the cached prefix (stock recomputes it)"),
+    # ---- CPU-only torch builds ----------------------------------------------------------------------------------
+    TouchPoint("torch.Tensor.pin_memory", Kind.PROCESS_PATCH, "patches.cpu_compat:install", (),
+               "a CPU-only torch rejects pin_memory(), which SGLang's LoRA code calls; pinning is meaningless "
+               "without a device, so it returns the tensor", Process.ALL),
+    TouchPoint("torch.library.register_fake", Kind.PROCESS_PATCH, "patches.cpu_compat:install", (),
+               "a no-op only while torchvision's top-level package executes: its C-op registrations fail on a "
+               "CPU-only torch and SGLang imports torchvision unconditionally", Process.ALL),
+    # ---- frontend DSL (client side) -----------------------------------------------------------------------------
+    TouchPoint(f"{_RE}.RuntimeEndpoint._add_images", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+               ("self", "s", "data"),
+               "the one place every /generate body built from a program passes: it gets the call's lora_path",
+               Process.CLIENT, also=(f"{_RE}.RuntimeEndpoint.generate", f"{_RE}.RuntimeEndpoint.generate_stream",
+                                     f"{_RE}.RuntimeEndpoint._generate_http_request")),
+    TouchPoint(f"{_RE}.RuntimeEndpoint.select", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+               ("self", "s", "choices", "temperature", "choices_method"),
+               "adapter switches travel as unnamed selects, run in program order by the executor",
+               Process.CLIENT, also=("sglang.lang.interpreter.StreamExecutor._execute_select",)),
+    TouchPoint(f"{_RE}.RuntimeEndpoint.cache_prefix", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+               ("self", "prefix_str"), "prefill a prefix on a chosen adapter", Process.CLIENT,
+               also=(f"{_RE}.http_request",)),
 )
+
+HOOKS: tuple[TouchPoint, ...] = tuple(t for t in TOUCH_POINTS if t.kind is Kind.HOOK)
 
 
 class IncompatibleSGLang(RuntimeError):
     pass
 
 
-def check(hooks: tuple[HookSpec, ...] = HOOKS) -> None:
+def resolve(dotted: str):
+    """The object at `dotted` (a module attribute or a class attribute, static: no descriptor is called)."""
+    try:
+        return pkgutil.resolve_name(dotted)
+    except (ImportError, AttributeError, ValueError):
+        owner_path, attr = dotted.rsplit(".", 1)
+        return inspect.getattr_static(pkgutil.resolve_name(owner_path), attr)
+
+
+def resolve_impl(impl: str):
+    module, attr = impl.split(":")
+    return pkgutil.resolve_name(f"sgl_multilora.{module}:{attr}")
+
+
+def _parameters(obj) -> list[str]:
+    fn = inspect.unwrap(getattr(obj, "__func__", obj))  # classmethod / staticmethod, hooks already applied
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def check(points: tuple[TouchPoint, ...] = TOUCH_POINTS) -> None:
     """Raises IncompatibleSGLang naming the first target that is missing or has another signature."""
-    for spec in hooks:
-        try:
-            owner_path, attr = spec.target.rsplit(".", 1)
-            owner = pkgutil.resolve_name(owner_path)
-            fn = inspect.getattr_static(owner, attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise IncompatibleSGLang(
-                f"hook target {spec.target} is missing in the installed SGLang ({type(e).__name__}: {e})"
-            ) from None
-        fn = getattr(fn, "__func__", fn)  # classmethod / staticmethod
-        fn = inspect.unwrap(fn)
-        try:
-            names = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            names = []
-        missing = [p for p in spec.params if p not in names]
-        if missing:
-            raise IncompatibleSGLang(
-                f"hook target {spec.target} has parameters {names}; sgl_multilora expects {list(spec.params)}"
-            )
+    for point in points:
+        for dotted in (point.target, *point.also):
+            try:
+                target = resolve(dotted)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise IncompatibleSGLang(
+                    f"{point.kind} target {dotted} is missing in the installed SGLang ({type(e).__name__}: {e})"
+                ) from None
+            if dotted != point.target or not point.params:
+                continue
+            names = _parameters(target)
+            missing = [p for p in point.params if p not in names]
+            if missing:
+                raise IncompatibleSGLang(
+                    f"{point.kind} target {dotted} has parameters {names}; sgl_multilora expects "
+                    f"{list(point.params)}"
+                )
+
+
+def client_points() -> tuple[TouchPoint, ...]:
+    """The touch points of the client-side frontend DSL (checked when `sgl_multilora.frontend` is imported)."""
+    return tuple(t for t in TOUCH_POINTS if t.process is Process.CLIENT)

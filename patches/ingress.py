@@ -26,25 +26,15 @@ What this module does with `--multilora-ingress strict` (the default), whichever
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from http import HTTPStatus
 
 from sgl_multilora.patches import flags
+from sgl_multilora.patches.state import process_state
 
 PREFIX = "mlora1:"
-
-# lora_id -> content identity of every adapter this process's LoRA manager has loaded (scheduler process). Written by
-# the LoRA manager hooks in `lora_transformers.py`, read when a `Req` is built.
-_identities: dict[str, str] = {}
-
-
-def remember_adapter(lora_id: str, identity: str) -> None:
-    _identities[lora_id] = identity
-
-
-def forget_adapter(lora_id: str) -> None:
-    _identities.pop(lora_id, None)
-
 
 def encode_extra_key(client_extra_key: str | None, adapter_identity: str | None) -> str | None:
     """The cache namespace string of a request; None only for a base request without a client extra_key."""
@@ -74,7 +64,7 @@ def _strict() -> bool:
 
 def adapter_key(lora_id: str) -> str:
     """The namespace component of `lora_id`: its content identity, or the id itself (tagged) while unknown here."""
-    identity = _identities.get(lora_id)
+    identity = process_state().adapters.identity(lora_id)
     return identity if identity is not None else f"lora_id:{lora_id}"
 
 
@@ -148,16 +138,23 @@ def validate_one_request(result, self, obj, input_ids, *args, **kwargs):
 # ---- scheduler process --------------------------------------------------------------------------------------------
 
 
-def req_init(result, self, *args, **kwargs):
-    """AFTER hook on `Req.__init__`: replace SGLang's `extra_key + lora_id` with the unambiguous encoding."""
+def req_init(original, self, *args, **kwargs):
+    """AROUND hook on `Req.__init__`: the cache namespace is the unambiguous encoding of (the client's extra_key,
+    the adapter's identity), taken from the constructor's arguments, not SGLang's `extra_key + lora_id` string."""
+    original(self, *args, **kwargs)
     if not _strict():
-        return result
-    lora_id = self.lora_id
-    extra_key = self.extra_key
-    if lora_id is not None and extra_key is not None:
-        extra_key = extra_key[: -len(lora_id)]  # SGLang appended the LoRA id to the client's part
-    self.extra_key = encode_extra_key(extra_key or None, adapter_key(lora_id) if lora_id is not None else None)
-    return result
+        return
+    bound = _req_signature().bind(self, *args, **kwargs).arguments
+    client_extra_key = bound.get("extra_key") or None
+    lora_id = bound.get("lora_id")
+    self.extra_key = encode_extra_key(client_extra_key, adapter_key(lora_id) if lora_id is not None else None)
+
+
+@functools.cache
+def _req_signature() -> inspect.Signature:
+    from sglang.srt.managers.schedule_batch import Req
+
+    return inspect.signature(inspect.unwrap(Req.__init__))
 
 
 def _loaded_lora_ids(scheduler) -> set[str] | None:

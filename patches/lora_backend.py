@@ -2,9 +2,10 @@
 
 SGLang's layers hand us its stacked per-slot buffers (A: (slots, n_slices * max_rank, in), B: (slots, out, max_rank))
 and its per-request slot indices; we turn those into a per-token slot index (NO_ADAPTER for slots of rank 0, i.e.
-base requests), a `TokenLayout`, and weight tables read in place. Ranks are not padded in the compute: each slot
-runs at its own rank. Decode CUDA graphs read fixed-size buffers refilled by `prepare_lora_batch` without a host
-sync, so the set of adapters may change between capture and replay. Not here: the kernels themselves.
+base requests) in the step's `SegmentMeta`, and weight tables read in place. Ranks are not padded in the
+compute: each slot runs at its own rank. Decode CUDA graphs read fixed-size buffers refilled by
+`prepare_lora_batch` without a host sync, so the set of adapters may change between capture and replay.
+Not here: the kernels themselves.
 Unsupported here: embedding / lm_head LoRA, MoE LoRA and DP attention (refused up front with a clear error).
 """
 
@@ -15,10 +16,11 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.utils import LoRABatchInfo, generate_sequence_lengths
 
 from sgl_multilora.patches import flags
+from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.expand import lora_expand, lora_expand_ref
-from sgl_multilora.triton_kernels.layout import NO_ADAPTER, LoRAWeights, TokenLayout
 from sgl_multilora.triton_kernels.ops import lora_forward, resolve_impl
 from sgl_multilora.triton_kernels.shrink import lora_shrink, lora_shrink_ref
+from sgl_multilora.triton_kernels.weights import LoRAWeights
 
 NAME = "multilora"
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
@@ -30,7 +32,11 @@ class MultiLoRABackend(BaseLoRABackend):
     def __init__(self, max_loras_per_batch: int, device: torch.device, **kwargs):
         super().__init__(max_loras_per_batch, device)
         self.impl = resolve_impl(flags.current().lora_ops, torch.device(device))
-        self.layout: TokenLayout | None = None
+        self.meta: SegmentMeta | None = None  # the current step's layout (eager, or a graph's)
+        # Eager steps refill one layout, grown once for a step larger than any before; decode CUDA
+        # graphs keep their own, fixed one.
+        max_tokens, slots = _max_step_tokens(kwargs.get("server_args")), max(1, max_loras_per_batch)
+        self._eager_meta = SegmentMeta.make(max_tokens, slots, device)
         self.ranks_cpu: tuple[int, ...] = ()
         self.scalings_cpu: tuple[float, ...] = ()
         self._graph: dict[str, object] | None = None
@@ -48,8 +54,7 @@ class MultiLoRABackend(BaseLoRABackend):
         dev = self.device
         self._graph = {
             "tokens_per_req": num_tokens_per_req,
-            "layout": TokenLayout.make(n, slots, dev),
-            "token_slot": torch.full((n,), NO_ADAPTER, dtype=torch.int32, device=dev),
+            "meta": SegmentMeta.make(n, slots, dev),
             "req_slot": torch.full((max_bs_in_cuda_graph,), NO_ADAPTER, dtype=torch.int32, device=dev),
             "batch_info": LoRABatchInfo(
                 use_cuda_graph=True, bs=max_bs_in_cuda_graph, num_segments=max_bs_in_cuda_graph,
@@ -96,11 +101,11 @@ class MultiLoRABackend(BaseLoRABackend):
             req_slot.fill_(NO_ADAPTER)
             req_slot[:bs].copy_(req_slot_host, non_blocking=True)
             info.weight_indices[:bs].copy_(req_slot[:bs])
-            token_slot = g["token_slot"]
+            meta: SegmentMeta = g["meta"]
+            token_slot = meta.token_slot  # filled in place: device ops only, no host sync
             token_slot.copy_(torch.repeat_interleave(req_slot, g["tokens_per_req"]))
             self._mask_empty_slots(token_slot, info.lora_ranks)
-            layout = g["layout"]
-            layout.prepare(token_slot)
+            meta.prepare(token_slot, padded=True)
             info.bs = info.num_segments = bs
         else:
             seg_lens = generate_sequence_lengths(forward_batch, device=dev).to(torch.int32)
@@ -110,9 +115,12 @@ class MultiLoRABackend(BaseLoRABackend):
             self._ranks[: len(lora_ranks)].copy_(ranks_host, non_blocking=True)
             self._scalings.zero_()
             self._scalings[: len(scalings)].copy_(scalings_host, non_blocking=True)
-            token_slot = torch.repeat_interleave(req_slot, seg_lens, output_size=num_tokens).to(torch.int32)
+            meta = self._eager_meta
+            meta.reserve(num_tokens)
+            token_slot = meta.token_slot[:num_tokens]
+            token_slot.copy_(torch.repeat_interleave(req_slot, seg_lens, output_size=num_tokens))
             self._mask_empty_slots(token_slot, self._ranks)
-            layout = TokenLayout.build(token_slot, max(1, self.max_loras_per_batch))
+            meta.prepare(token_slot)
             seg_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
             seg_indptr[1:] = torch.cumsum(seg_lens, dim=0)
             info = LoRABatchInfo(
@@ -123,7 +131,7 @@ class MultiLoRABackend(BaseLoRABackend):
             )
             info.expected_tokens = num_tokens
         info.has_active_lora = has_active
-        self.layout = layout
+        self.meta = meta
         self.batch_info = info
         self.lm_head_batch_info = None
         self.lm_head_pass_batch_infos = None
@@ -139,7 +147,7 @@ class MultiLoRABackend(BaseLoRABackend):
 
     def _weights(self, a: torch.Tensor | None, b: torch.Tensor | None, offsets: tuple[int, ...]) -> LoRAWeights:
         info = self.batch_info
-        assert info is not None and self.layout is not None, "LoRA op called before prepare_lora_batch"
+        assert info is not None and self.meta is not None, "LoRA op called before prepare_lora_batch"
         w = LoRAWeights.from_stacked(a, b, offsets, self.ranks_cpu, self.scalings_cpu,
                                      ranks=info.lora_ranks, scalings=info.scalings)
         key = (_ptr(a), _ptr(b), offsets, info.lora_ranks.data_ptr(), info.scalings.data_ptr())
@@ -156,7 +164,7 @@ class MultiLoRABackend(BaseLoRABackend):
             return y
         # LoRA may cover only a prefix of the base output's partitions (SGLang's lora_n_slices < n_slices)
         target = y if y.shape[1] == offsets[-1] else y[:, : offsets[-1]]
-        lora_forward(x.contiguous(), target, self.layout, self._weights(a, b, tuple(offsets)), impl=self.impl)
+        lora_forward(x.contiguous(), target, self.meta, self._weights(a, b, tuple(offsets)), impl=self.impl)
         return y
 
     def forward_with_base(self, layer, x, base_fn, lora_a, lora_b, output_offset, offsets, *, all_reduce=None,
@@ -171,7 +179,7 @@ class MultiLoRABackend(BaseLoRABackend):
         t = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
         if rows:
             w = self._weights(weights, None, tuple(range(0, stack_num + 1)))  # offsets unused by shrink
-            (lora_shrink if self.impl == "triton" else lora_shrink_ref)(x.contiguous(), t, self.layout, w)
+            (lora_shrink if self.impl == "triton" else lora_shrink_ref)(x.contiguous(), t, self.meta, w)
         return t.to(x.dtype)
 
     def run_lora_b_sgemm(self, x: torch.Tensor, weights: torch.Tensor, output_offset_cpu=None,
@@ -182,7 +190,7 @@ class MultiLoRABackend(BaseLoRABackend):
             y = torch.zeros(x.shape[0], offsets[-1], dtype=weights.dtype, device=x.device)
         if weights.shape[-1]:
             w = self._weights(None, weights, offsets)
-            (lora_expand if self.impl == "triton" else lora_expand_ref)(x.float().contiguous(), y, self.layout, w)
+            (lora_expand if self.impl == "triton" else lora_expand_ref)(x.float().contiguous(), y, self.meta, w)
         return y
 
     def run_qkv_lora(self, x, qkv_lora_a, qkv_lora_b, output_offset=None, output_offset_cpu=None,
@@ -209,6 +217,14 @@ class MultiLoRABackend(BaseLoRABackend):
         if bad:
             raise ValueError(f"--lora-backend multilora does not support LoRA on {bad}; "
                              "drop them from --lora-target-modules or use --lora-backend triton")
+
+
+def _max_step_tokens(server_args) -> int:
+    """The most tokens SGLang plans to put in one eager step (a prefill chunk, or a whole prefill
+    when chunking is off); 0 without server args. A larger step (a mixed chunk) grows the layout."""
+    names = ("chunked_prefill_size", "max_prefill_tokens")
+    sizes = [getattr(server_args, name, None) for name in names]
+    return max((s for s in sizes if isinstance(s, int) and s > 0), default=0)
 
 
 def _num_tokens(forward_batch) -> int:

@@ -11,25 +11,26 @@ and validated by `sgl_multilora.adapters`, and every step's per-token layout is 
 from __future__ import annotations
 
 import logging
+import os
 import re
-import threading
+
+import msgspec
 
 import torch
 from torch import nn
 
 from sgl_multilora.adapters import (
     AdapterError,
-    AdapterSpec,
-    LoadedAdapter,
     ModelShape,
     ModuleDims,
     find_invocation_start,
     load_adapter,
     read_spec,
+    resolve_under_root,
 )
-from sgl_multilora.patches import flags, ingress
+from sgl_multilora.patches import flags
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
-from sgl_multilora.segments import SegmentMeta
+from sgl_multilora.patches.state import process_state
 
 logger = logging.getLogger(__name__)
 
@@ -37,33 +38,31 @@ logger = logging.getLogger(__name__)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-# The requests of the ForwardBatch being built (set just before SGLang builds it, read by `prepare`): SGLang's
-# ForwardBatch carries only the new tokens, while an aLoRA's activation start may lie in the cached prefix.
-_building = threading.local()
-
-
 class TransformersLoRA:
-    """Per-LoRAManager state on the transformers path: wrapped layers, loaded adapters, the current step."""
+    """Our LoRA layers on the transformers path (one LoRAManager per scheduler process): wrapped layers, the
+    current step. Adapter weights are the process's `AdapterRegistry`'s; `adapters` is a read-only view of them."""
 
     def __init__(self, manager, shape: ModelShape, layers: list[MultiLoRALinear]):
         self.manager = manager
         self.shape = shape
         self.layers = layers
-        self.adapters: dict[str, LoadedAdapter] = {}  # lora_id -> weights
+        self.registry = process_state().adapters
+        self.adapters = self.registry.loaded_view()  # lora_id -> weights
         self.step = LoRAStep()
         for layer in layers:
             layer.step = self.step
 
     def load(self, lora_ref) -> None:
         """Validates and loads `lora_ref`'s adapter; raises AdapterError naming the problem."""
-        adapter = load_adapter(lora_ref.lora_path, self.shape, name=lora_ref.lora_name)
+        adapter = load_adapter(lora_ref.lora_path, self.shape, name=lora_ref.lora_name,
+                               max_weights_bytes=flags.current().max_adapter_bytes)
         dtype = self.layers[0].base_dtype if self.layers else torch.float32
         device = self.manager.device
         adapter.weights = {k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in adapter.weights.items()}
-        self.adapters[lora_ref.lora_id] = adapter
+        self.registry.stage(lora_ref.lora_id, adapter)
 
     def prepare(self, forward_batch) -> None:
-        """Sets the layout of the step about to run (every wrapped layer reads it)."""
+        """Refills the step layout (one `SegmentMeta`) that every wrapped layer reads."""
         lora_ids = list(forward_batch.lora_ids or [])
         if forward_batch.forward_mode.is_extend():
             new_token_lens = list(forward_batch.extend_seq_lens_cpu)
@@ -74,8 +73,8 @@ class TransformersLoRA:
             if uid is not None and key is None:
                 raise RuntimeError(f"LoRA adapter id {uid} is in the batch but not loaded")
         starts = self._lora_starts(forward_batch, keys)
-        meta = SegmentMeta.build(keys, new_token_lens, starts, device=self.manager.device)
-        self.step.set(meta, self.adapters)
+        self.step.prepare(keys, new_token_lens, starts, self.adapters,
+                          num_slots=self.manager.max_loras_per_batch, device=self.manager.device)
 
     def _lora_starts(self, forward_batch, keys: list[str | None]) -> list[int] | None:
         """Per request, the first new token the adapter applies to: 0 for a standard LoRA; for an aLoRA, its
@@ -83,7 +82,7 @@ class TransformersLoRA:
         alora = [k is not None and self.adapters[k].spec.is_alora for k in keys]
         if not any(alora):
             return None
-        reqs = getattr(_building, "reqs", None)
+        reqs = getattr(process_state().building, "reqs", None)
         if reqs is None or len(reqs) != len(keys):
             raise RuntimeError("aLoRA request in a batch whose requests are unknown (ForwardBatch.init_new hook off?)")
         extend = forward_batch.forward_mode.is_extend()
@@ -93,7 +92,7 @@ class TransformersLoRA:
             if not is_alora:
                 starts.append(0)
                 continue
-            k = activation_start(reqs[i], self.adapters[key].spec.alora_invocation_tokens)
+            k = find_invocation_start(reqs[i].origin_input_ids, self.adapters[key].spec.alora_invocation_tokens)
             if k is None:  # no invocation sequence: the adapter never activates (as in PEFT)
                 starts.append(1 << 62)
             else:
@@ -101,21 +100,14 @@ class TransformersLoRA:
         return starts
 
 
-def activation_start(req, invocation: tuple[int, ...]) -> int | None:
-    """aLoRA's k for `req` (computed once per request, from its prompt token ids)."""
-    cached = getattr(req, "_sgl_multilora_alora_k", False)
-    if cached is False:
-        cached = find_invocation_start(list(req.origin_input_ids), invocation)
-        req._sgl_multilora_alora_k = cached
-    return cached
-
-
 def _is_transformers_model(model: nn.Module) -> bool:
     return any(cls.__name__ == "TransformersBase" for cls in type(model).__mro__)
 
 
 def _state(manager) -> TransformersLoRA | None:
-    return getattr(manager, "_sgl_multilora", None)
+    """Our LoRA layers if they serve `manager` (None where SGLang's own layers compute)."""
+    lora = process_state().lora
+    return lora if lora is not None and lora.manager is manager else None
 
 
 def _wrap_projections(model: nn.Module) -> tuple[ModelShape, list[MultiLoRALinear]]:
@@ -148,8 +140,11 @@ def init_lora_modules(original, self):
     self.lm_head_module = None
     shape, layers = _wrap_projections(self.base_model)
     shape = ModelShape(shape.num_layers, shape.modules, max_rank=self.max_lora_rank)
+    if process_state().lora is not None:
+        raise RuntimeError("sgl_multilora: a second LoRA manager in one process is not supported on the "
+                           "--model-impl transformers path")
     state = TransformersLoRA(self, shape, layers)
-    self._sgl_multilora = state
+    process_state().lora = state
     logger.info(
         "sgl_multilora: LoRA on the transformers model path: %d projections wrapped (%s)",
         len(layers), ", ".join(sorted(shape.modules)),
@@ -173,17 +168,20 @@ def drop_sglang_weights(manager, lora_id: str) -> None:
             layer.weights.clear()
 
 
-def adapter_specs(manager) -> dict[str, AdapterSpec]:
-    """lora_id -> AdapterSpec (content identity, aLoRA invocation) of every adapter `manager` has loaded."""
-    specs = getattr(manager, "_sgl_multilora_specs", None)
-    if specs is None:
-        specs = manager._sgl_multilora_specs = {}
-    return specs
+def _checked_ref(lora_ref):
+    """`lora_ref` with its path resolved inside `--multilora-adapter-root` (a relative path is the launcher's, as
+    SGLang reads it); the same ref without a root. Raises AdapterError for a path outside the root."""
+    root = flags.current().adapter_root
+    if root is None:
+        return lora_ref
+    resolved = resolve_under_root(lora_ref.lora_path, root, lora_ref.lora_name, relative_to=os.getcwd())
+    return msgspec.structs.replace(lora_ref, lora_path=str(resolved))
 
 
 def load_lora_adapter(original, self, lora_ref):
     try:
-        spec = read_spec(lora_ref.lora_path, lora_ref.lora_name)
+        lora_ref = _checked_ref(lora_ref)
+        spec = read_spec(lora_ref.lora_path, lora_ref.lora_name, flags.current().max_adapter_bytes)
     except AdapterError as e:
         return self.create_lora_update_result(success=False, error_message=str(e))
     state = _state(self)
@@ -194,23 +192,20 @@ def load_lora_adapter(original, self, lora_ref):
             return self.create_lora_update_result(success=False, error_message=str(e))
     result = original(self, lora_ref)
     if result.success:
-        adapter_specs(self)[lora_ref.lora_id] = spec
-        ingress.remember_adapter(lora_ref.lora_id, spec.identity)
+        process_state().adapters.add(lora_ref.lora_id, spec)
         if state is not None:
             drop_sglang_weights(self, lora_ref.lora_id)
-    elif state is not None:
-        state.adapters.pop(lora_ref.lora_id, None)
+    else:
+        process_state().adapters.remove(lora_ref.lora_id)
     return result
 
 
 def unload_lora_adapter(original, self, lora_ref):
     result = original(self, lora_ref)
     if result.success:
-        adapter_specs(self).pop(lora_ref.lora_id, None)
-        ingress.forget_adapter(lora_ref.lora_id)
+        process_state().adapters.remove(lora_ref.lora_id)
         state = _state(self)
         if state is not None:
-            state.adapters.pop(lora_ref.lora_id, None)
             for layer in state.layers:  # weight tables would keep the unloaded adapter's tensors alive
                 layer.clear_tables()
     return result
@@ -223,7 +218,7 @@ def fetch_new_loras(original, self, new_loras, *args, **kwargs):
 
 
 def forward_batch_init_new(cls, batch, *args, **kwargs):
-    _building.reqs = getattr(batch, "reqs", None)
+    process_state().building.reqs = getattr(batch, "reqs", None)
 
 
 def prepare_lora_batch(original, self, forward_batch):

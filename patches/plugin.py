@@ -1,21 +1,27 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): `register()` runs in every SGLang process.
 
-It checks the installed SGLang against the hook table, then registers each hook with SGLang's HookRegistry (which
-applies them right after all plugins registered). It never fails silently: SGLang logs and skips a plugin whose
+It checks the installed SGLang against the table of touch points (`hook_table.py`), then registers each hook with
+SGLang's HookRegistry (which applies them right after all plugins registered) and adds each registry entry. It never fails silently: SGLang logs and skips a plugin whose
 `register()` raises an Exception, so an incompatibility exits the process (SystemExit) with a message naming the
 target and the supported SGLang version.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from sgl_multilora.patches import cpu_compat
-from sgl_multilora.patches.hook_table import HOOKS, SUPPORTED_SGLANG, IncompatibleSGLang, check
-
-_registered = False
+from sgl_multilora.patches.hook_table import (
+    HOOKS,
+    SUPPORTED_SGLANG,
+    TOUCH_POINTS,
+    IncompatibleSGLang,
+    Kind,
+    check,
+    resolve_impl,
+)
+from sgl_multilora.patches.state import process_state
 
 
 def _refuse(reason: str) -> None:
@@ -29,8 +35,8 @@ def _refuse(reason: str) -> None:
 
 def register() -> None:
     """Idempotent per process."""
-    global _registered
-    if _registered:
+    state = process_state()
+    if state.registered:
         return
     cpu_compat.install()  # no-op on a CUDA/ROCm torch; must precede SGLang's LoRA code on a CPU-only torch
     try:
@@ -46,14 +52,9 @@ def register() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for spec in HOOKS:
-        module_name, fn_name = spec.hook.split(":")
-        fn = getattr(importlib.import_module(f"sgl_multilora.patches.{module_name}"), fn_name)
-        HookRegistry.register(spec.target, fn, HookType(spec.kind))
-    from sgl_multilora.patches import radix_backend
-
-    radix_backend.register()  # --radix-cache-backend multilora
-    from sgl_multilora.patches import lora_backend
-
-    lora_backend.register()  # --lora-backend multilora
-    _registered = True
+    for point in HOOKS:
+        HookRegistry.register(point.target, resolve_impl(point.impl), HookType(point.hook_type))
+    for point in TOUCH_POINTS:
+        if point.kind is Kind.REGISTRY:
+            resolve_impl(point.impl)()  # idempotent registration functions
+    state.registered = True

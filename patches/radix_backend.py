@@ -25,11 +25,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sgl_multilora.adapters import find_invocation_start
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
 from sgl_multilora.patches.ingress import decode_extra_key
-from sgl_multilora.patches.lora_transformers import activation_start, adapter_specs
+from sgl_multilora.patches.state import process_state
 from sgl_multilora.tree import LoraRadixTree
-from sgl_multilora.tree_nodes import Node, NodeKind
+from sgl_multilora.tree_nodes import Node, NodeKind, TreeStats
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,9 @@ STATS_LOG_INTERVAL_S = 10.0
 class MultiLoRARadixCache(RadixCache):
     """A `RadixCache` whose tree is a `LoraRadixTree`. Nodes handed to SGLang are the tree's `Node`s."""
 
-    def __init__(self, params, *, model_id: str, lora_manager=None):
+    def __init__(self, params, *, model_id: str):
         self.model_id = model_id
-        self.lora_manager = lora_manager
+        self.adapters = process_state().adapters  # the process's adapter owner: lora_id -> spec
         self._last_stats_log = time.monotonic()
         self._adapter_refs: dict[str, AdapterRef] = {}  # identity -> its (immutable) key object
         super().__init__(params)
@@ -57,9 +58,9 @@ class MultiLoRARadixCache(RadixCache):
         lora_id = getattr(req, "lora_id", None)
         client_extra_key, _ = decode_extra_key(req.extra_key)  # the adapter comes from lora_id, resolved here
         namespace = self._namespace(client_extra_key, req.cache_salt)
-        if lora_id is None or self.lora_manager is None:
+        if lora_id is None:
             return MatchKey(namespace, None, token_ids)
-        spec = adapter_specs(self.lora_manager).get(lora_id)
+        spec = self.adapters.spec(lora_id)
         if spec is None:
             raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
         adapter = self._adapter_refs.get(spec.identity)
@@ -67,7 +68,7 @@ class MultiLoRARadixCache(RadixCache):
             adapter = self._adapter_refs[spec.identity] = AdapterRef(identity=spec.identity, name=spec.name)
         if not spec.is_alora:
             return MatchKey(namespace, adapter, token_ids)
-        k = activation_start(req, spec.alora_invocation_tokens)
+        k = find_invocation_start(req.origin_input_ids, spec.alora_invocation_tokens)
         if k is None:  # the adapter never activates: every token is base KV
             return MatchKey(namespace, None, token_ids)
         return MatchKey(namespace, adapter, token_ids, alora_start=k)
@@ -162,16 +163,16 @@ class MultiLoRARadixCache(RadixCache):
     def inc_lock_ref(self, node: Node) -> IncLockRefResult:
         if self.disable:
             return IncLockRefResult(delta=0)
-        before = self.tree.evictable_size()
+        before = self.tree.evictable_len()
         self.tree.lock(node)
-        return IncLockRefResult(delta=self.tree.evictable_size() - before)
+        return IncLockRefResult(delta=self.tree.evictable_len() - before)
 
     def dec_lock_ref(self, node: Node, params=None) -> DecLockRefResult:
         if self.disable:
             return DecLockRefResult(delta=0)
-        before = self.tree.evictable_size()
+        before = self.tree.evictable_len()
         self.tree.unlock(node)
-        return DecLockRefResult(delta=self.tree.evictable_size() - before)
+        return DecLockRefResult(delta=self.tree.evictable_len() - before)
 
     def path_device_indices(self, node: Node) -> torch.Tensor:
         runs = []
@@ -184,16 +185,20 @@ class MultiLoRARadixCache(RadixCache):
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def evictable_size(self):
-        return self.tree.evictable_size()
+        return self.tree.evictable_len()
 
     def protected_size(self):
-        return self.tree.protected_size()
+        return self.tree.protected_len()
 
     def total_size(self):
-        return self.tree.total_size()
+        return self.tree.total_len()
 
     def all_values_flatten(self):
         raise NotImplementedError("not used with the multilora backend")
+
+    def multilora_stats(self) -> TreeStats:
+        """The tree's counters (for /multilora/stats). Does not modify anything."""
+        return self.tree.stats()
 
     def pretty_print(self):
         print(self.tree.stats())
@@ -227,9 +232,7 @@ def create(ctx) -> MultiLoRARadixCache:
     for what, present in unsupported:
         if present:
             raise ValueError(f"--radix-cache-backend {BACKEND_NAME} does not support {what} yet")
-    model_runner = getattr(ctx.tp_worker, "model_runner", None)
-    lora_manager = getattr(model_runner, "lora_manager", None)
-    return MultiLoRARadixCache(ctx.params, model_id=str(ctx.server_args.model_path), lora_manager=lora_manager)
+    return MultiLoRARadixCache(ctx.params, model_id=str(ctx.server_args.model_path))
 
 
 def register() -> None:

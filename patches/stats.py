@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sgl_multilora.patches.state import process_state
+
 
 def scheduler_internal_state(result, self, *args, **kwargs):
     """AFTER hook on `Scheduler.get_internal_state`."""
@@ -15,7 +17,7 @@ def scheduler_internal_state(result, self, *args, **kwargs):
 
     tree_cache = getattr(self, "tree_cache", None)
     if isinstance(tree_cache, MultiLoRARadixCache):
-        result.internal_state["multilora"] = dataclasses.asdict(tree_cache.tree.stats())
+        result.internal_state["multilora"] = dataclasses.asdict(tree_cache.multilora_stats())
     memory = kv_accounting(self)
     if memory is not None:
         memory["adapters"] = adapter_accounting(self)
@@ -77,8 +79,6 @@ def adapter_accounting(scheduler) -> dict | None:
 
     After an adapter is unloaded none of its bytes remain.
     """
-    from sgl_multilora.patches.lora_transformers import _state
-
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     manager = getattr(runner, "lora_manager", None)
     if manager is None:
@@ -86,9 +86,9 @@ def adapter_accounting(scheduler) -> dict | None:
     names = {uid: ref.lora_name for uid, ref in getattr(manager, "lora_refs", {}).items()}
     host = {names.get(uid, uid): sum(_tensor_bytes(layer.weights) for layer in adapter.layers)
             for uid, adapter in getattr(manager, "loras", {}).items()}
-    state = _state(manager)
-    if state is not None:
-        weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in state.adapters.items()}
+    if process_state().lora is not None:
+        loaded = process_state().adapters.loaded_items()
+        weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in loaded}
         slots = 0
     else:
         weights = {}
@@ -100,19 +100,19 @@ def adapter_accounting(scheduler) -> dict | None:
             "total": sum(weights.values()) + sum(host.values()) + slots}
 
 
-_routes_added = False
+ROUTE = "/multilora/stats"
 
 
 def add_routes(*args, **kwargs):
-    """BEFORE hook on `http_server.launch_server` (runs in the HTTP process only)."""
-    global _routes_added
-    if _routes_added:
-        return None
+    """BEFORE hook on `http_server.launch_server` (runs in the HTTP process only). Idempotent."""
     from sglang.srt.entrypoints import http_server
 
-    @http_server.app.get("/multilora/stats")
+    if any(getattr(route, "path", None) == ROUTE for route in http_server.app.routes):
+        return None
+
+    @http_server.app.get(ROUTE)
     async def multilora_stats():
-        states = await http_server._global_state.tokenizer_manager.get_internal_state()
+        states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
         per_rank = [state.get("multilora") for state in states]
         memory = [state.get("multilora_memory") for state in states]
         if all(s is None for s in per_rank):
@@ -120,5 +120,4 @@ def add_routes(*args, **kwargs):
                     "memory": memory}
         return {"enabled": True, "schedulers": per_rank, "memory": memory}
 
-    _routes_added = True
     return None

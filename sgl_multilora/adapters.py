@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB; anything past this is not one
+DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30  # rank-64 adapters on every projection of a 70B model are about 1.7 GB
 
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
 _WEIGHT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -83,8 +85,32 @@ def _fail(name: str, what: str) -> AdapterError:
     return AdapterError(f"LoRA adapter '{name}': {what}")
 
 
-def read_config(path: str | os.PathLike, name: str | None = None) -> dict:
-    """Reads and checks `adapter_config.json`. Raises AdapterError naming the missing file or malformed field."""
+def resolve_under_root(path: str | os.PathLike, root: str | os.PathLike, name: str,
+                       relative_to: str | os.PathLike | None = None) -> Path:
+    """`path` (a relative path is taken under `relative_to`, default `root`) with every symlink resolved, if it lies
+    inside `root`.
+
+    Raises AdapterError otherwise, with a message that says nothing about `path` (whether it exists, what it is), so
+    a caller cannot probe the server's file system. Does not check that the result exists.
+    """
+    root = Path(os.path.realpath(root))
+    candidate = Path(os.path.realpath(Path(relative_to if relative_to is not None else root) / path))
+    if candidate != root and root not in candidate.parents:
+        raise _fail(name, "the adapter path is outside the directories this server loads adapters from "
+                          "(--multilora-adapter-root)")
+    return candidate
+
+
+def _check_size(name: str, file: Path, limit: int, what: str) -> None:
+    size = file.stat().st_size
+    if size > limit:
+        raise _fail(name, f"{file.name} is {size / 2**20:.1f} MiB, above the {limit / 2**20:.0f} MiB {what}")
+
+
+def read_config(path: str | os.PathLike, name: str | None = None,
+                max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> dict:
+    """Reads and checks `adapter_config.json`. Raises AdapterError naming the missing file, malformed field, or a
+    file larger than its limit (the config: MAX_CONFIG_BYTES; the weights: `max_weights_bytes`)."""
     path = Path(path)
     name = name or path.name
     if not path.is_dir():
@@ -94,6 +120,8 @@ def read_config(path: str | os.PathLike, name: str | None = None) -> dict:
         raise _fail(name, f"{CONFIG_FILE} is missing in {str(path)!r}")
     if not (path / WEIGHTS_FILE).is_file():
         raise _fail(name, f"{WEIGHTS_FILE} is missing in {str(path)!r}")
+    _check_size(name, config_path, MAX_CONFIG_BYTES, "limit for an adapter config")
+    _check_size(name, path / WEIGHTS_FILE, max_weights_bytes, "limit per adapter (--multilora-max-adapter-mb)")
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -136,11 +164,12 @@ def content_identity(path: str | os.PathLike, config: dict) -> str:
     return h.hexdigest()
 
 
-def read_spec(path: str | os.PathLike, name: str | None = None) -> AdapterSpec:
+def read_spec(path: str | os.PathLike, name: str | None = None,
+              max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> AdapterSpec:
     """Config, identity and scaling of the adapter at `path`. Reads the weight file once (for the hash)."""
     path = Path(path)
     name = name or path.name
-    config = read_config(path, name)
+    config = read_config(path, name, max_weights_bytes)
     rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     invocation = config.get("alora_invocation_tokens")
@@ -172,17 +201,18 @@ def check_against_model(spec: AdapterSpec, shape: ModelShape) -> None:
         )
 
 
-def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = None) -> LoadedAdapter:
+def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = None,
+                 max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> LoadedAdapter:
     """Reads, validates and loads an adapter's weights (fp32, CPU). Raises AdapterError on any mismatch."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    spec = read_spec(path, name)
+    spec = read_spec(path, name, max_weights_bytes)
     check_against_model(spec, shape)
     try:
         tensors = load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise _fail(spec.name, f"{WEIGHTS_FILE} cannot be read ({e})") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # malformed header, truncated data, dtype
+        raise _fail(spec.name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 
     halves: dict[tuple[int, str], dict[str, "torch.Tensor"]] = {}
     for key, tensor in tensors.items():
@@ -194,6 +224,10 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
             raise _fail(spec.name, f"tensor {key!r} targets module {module!r}, which the base model does not have")
         if layer_id >= shape.num_layers:
             raise _fail(spec.name, f"tensor {key!r} is for layer {layer_id}; the model has {shape.num_layers}")
+        if not tensor.is_floating_point():
+            raise _fail(spec.name, f"tensor {key!r} has dtype {tensor.dtype}; LoRA weights are floating point")
+        if not bool(tensor.isfinite().all()):
+            raise _fail(spec.name, f"tensor {key!r} holds NaN or infinite values")
         halves.setdefault((layer_id, module), {})[half] = tensor.float().contiguous()
 
     weights = {}

@@ -32,14 +32,16 @@ order. An adapter chosen by setting an attribute from the program's thread would
 (the `with` block can end before its `gen` has run). So choosing an adapter is itself an op of the program: a
 no-text select whose choices method is an `_AdapterSwitch` marker. The executor runs it in program order and, as for
 every select, calls `backend.select(executor, ...)`; `MultiLoRAEndpoint.select` recognises the marker and pushes
-(or pops) a name on the executor's own adapter stack. Every body the endpoint builds from that executor names the
-top of the stack (None = base model). The stack lives on the executor, so concurrent programs (`run_batch`) never
-see each other's choice, scopes nest, and streaming (`run(stream=True)`) and `select` behave the same.
+(or pops) a name on that executor's adapter stack, which the endpoint keeps per executor (weakly referenced, so a
+finished program's stack goes with it). Every body the endpoint builds from that executor names the top of the
+stack (None = base model). Concurrent programs (`run_batch`) never see each other's choice, scopes nest, and
+streaming (`run(stream=True)`) and `select` behave the same.
 
 `RuntimeEndpoint` passes every `/generate` body it builds from an executor (`generate`, `generate_stream`, both
 requests of `select`, `commit_lazy_operations`, `fill_image`) through `_add_images(s, data)` just before sending, so
 that one override adds `lora_path` everywhere; `cache_prefix` has no executor and takes the adapter as an argument.
-`_check_sglang()` fails at import if the installed SGLang stops routing its bodies that way.
+The overridden methods are rows of the plugin's touch-point table (`patches/hook_table.py`, kind "override"),
+checked against the installed SGLang when this module is imported.
 
 Semantics to know:
 - A fork (`s.fork(n)`) starts on the base model: SGLang copies only its own fields into a fork. Name the adapter
@@ -53,6 +55,8 @@ Semantics to know:
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,10 +71,9 @@ from sglang.lang.interpreter import ProgramState, StreamExecutor
 from sglang.lang.ir import SglExpr, SglExprList, SglSelect
 
 from sgl_multilora.adapters import read_config
+from sgl_multilora.patches import hook_table
 
 _WRONG_BACKEND = "choosing an adapter per call needs sgl_multilora.frontend.MultiLoRAEndpoint as backend"
-# The executor's adapter stack (a list of names; None = base model). Only `_AdapterSwitch.apply` edits it.
-_STACK_ATTR = "_multilora_adapters"
 
 
 class _AdapterSwitch(ChoicesSamplingMethod):
@@ -81,18 +84,6 @@ class _AdapterSwitch(ChoicesSamplingMethod):
             raise TypeError(f"an adapter is named by a str (or None for the base model), got {name!r}")
         self.name = name
         self.pop = pop
-
-    def apply(self, executor: StreamExecutor) -> None:
-        """Mutates `executor`'s stack. Runs in the executor's worker thread, in program order."""
-        stack = getattr(executor, _STACK_ATTR, None)
-        if stack is None:
-            stack = []
-            setattr(executor, _STACK_ATTR, stack)
-        if self.pop:
-            assert stack, "adapter scope closed more often than opened (an _AdapterSwitch op built by hand?)"
-            stack.pop()
-        else:
-            stack.append(self.name)
 
     def __call__(self, **kwargs: Any) -> ChoicesDecision:
         # Reached only when a backend other than MultiLoRAEndpoint runs the op as a real select.
@@ -119,8 +110,8 @@ def active_adapter(s: StreamExecutor | ProgramState) -> str | None:
     """The adapter the next request of `s` uses (None = base model). Read it from the executor's worker thread
     (the endpoint does): from the program's thread, ops still queued have not applied yet."""
     executor = s.stream_executor if isinstance(s, ProgramState) else s
-    stack = getattr(executor, _STACK_ATTR, None)
-    return stack[-1] if stack else None
+    backend = getattr(executor, "backend", None)
+    return backend.adapter_of(executor) if isinstance(backend, MultiLoRAEndpoint) else None
 
 
 @contextmanager
@@ -157,18 +148,39 @@ def gen(name: str | None = None, *, adapter: str | None = None, **gen_kwargs: An
 class MultiLoRAEndpoint(RuntimeEndpoint):
     """A `RuntimeEndpoint` whose every `/generate` request carries the `lora_path` active for that call.
 
-    Stateless beyond the base class: the active adapter lives on each program's executor, so one endpoint serves
-    any number of concurrent programs.
+    It owns one adapter stack per executor (a list of names; None = base model), edited only by `select` when it
+    runs an adapter op, so one endpoint serves any number of concurrent programs.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stacks: weakref.WeakKeyDictionary[StreamExecutor, list[str | None]] = weakref.WeakKeyDictionary()
+        self._stacks_lock = threading.Lock()
+
+    def adapter_of(self, s: StreamExecutor) -> str | None:
+        """The adapter of `s`'s next request (None = base model)."""
+        with self._stacks_lock:
+            stack = self._stacks.get(s)
+            return stack[-1] if stack else None
+
+    def _switch(self, s: StreamExecutor, switch: _AdapterSwitch) -> None:
+        """Mutates `s`'s stack. Runs in the executor's worker thread, in program order."""
+        with self._stacks_lock:
+            stack = self._stacks.setdefault(s, [])
+            if switch.pop:
+                assert stack, "adapter scope closed more often than opened (an _AdapterSwitch op built by hand?)"
+                stack.pop()
+            else:
+                stack.append(switch.name)
 
     def _add_images(self, s: StreamExecutor, data: dict) -> None:
         # Called by the base class on every body it builds from an executor, right before sending it.
         super()._add_images(s, data)
-        data["lora_path"] = active_adapter(s)
+        data["lora_path"] = self.adapter_of(s)
 
     def select(self, s: StreamExecutor, choices, temperature, choices_method) -> ChoicesDecision:
         if isinstance(choices_method, _AdapterSwitch):
-            choices_method.apply(s)
+            self._switch(s, choices_method)
             return ChoicesDecision(decision="")  # appends no text and, unnamed, sets no variable
         return super().select(s, choices, temperature, choices_method)
 
@@ -205,24 +217,4 @@ def invocation_text(tokenizer_or_endpoint: Any, adapter_dir: str | Path) -> str:
     return tokenizer_or_endpoint.decode(list(tokens), skip_special_tokens=False)
 
 
-def _check_sglang() -> None:
-    """Fails at import if the installed SGLang builds a `/generate` body this module would not see."""
-    replaced = {"cache_prefix"}  # overridden without calling the base class
-    for attr, fn in vars(RuntimeEndpoint).items():
-        code = getattr(fn, "__code__", None)
-        if code is None or attr in replaced or "/generate" not in code.co_consts:
-            continue
-        if not {"_add_images", "_generate_http_request"} & set(code.co_names):
-            raise ImportError(
-                f"sgl_multilora.frontend: RuntimeEndpoint.{attr} sends /generate without _add_images, so its "
-                "requests would lose lora_path; this module supports sglang==0.5.23"
-            )
-    if "_add_images" not in RuntimeEndpoint._generate_http_request.__code__.co_names:
-        raise ImportError("sgl_multilora.frontend: RuntimeEndpoint._generate_http_request skips _add_images")
-    if "http_request" in RuntimeEndpoint.select.__code__.co_names:
-        raise ImportError("sgl_multilora.frontend: RuntimeEndpoint.select sends without _generate_http_request")
-    if not {"backend", "select"} <= set(StreamExecutor._execute_select.__code__.co_names):
-        raise ImportError("sgl_multilora.frontend: StreamExecutor no longer hands selects to backend.select")
-
-
-_check_sglang()
+hook_table.check(hook_table.client_points())  # raises IncompatibleSGLang on drift

@@ -76,6 +76,16 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def _stop_with_parent() -> None:
+    """Runs in the server's process before it execs (Linux): SIGTERM it when the process that launched it dies,
+    so a test or benchmark killed by a time-out never leaves a server behind (SGLang's own processes already
+    follow the launcher's death)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def launch(
     model_path: str | os.PathLike,
     extra_args: Sequence[str] = (),
@@ -86,7 +96,8 @@ def launch(
     ready_timeout_s: float = 300.0,
     python: str = sys.executable,
 ) -> ServerHandle:
-    """Starts `python -m sglang.launch_server` and returns once `/health_generate` answers 200.
+    """Starts `python -m sglang.launch_server` and returns once `/health_generate` answers 200. Call it from the
+    thread that outlives the server (on Linux the server is stopped when the launching thread's process exits).
 
     Raises ServerStartError with the end of the server's log if it exits or does not become ready in time.
     """
@@ -99,7 +110,8 @@ def launch(
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     log = open(log_path, "w")
     process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        preexec_fn=_stop_with_parent if sys.platform.startswith("linux") else None,
     )
     log.close()
     handle = ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, command=command)

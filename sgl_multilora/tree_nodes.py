@@ -1,8 +1,8 @@
-"""Records of the LoRA-aware radix tree: node kinds, the node itself, the aLoRA edge key and result types.
+"""Records of the LoRA-aware radix tree: node kinds, nodes, the aLoRA edge key and result types.
 
-Lives here: plain data that `tree.py` owns and edits, plus the default eviction score.
-Not here: any logic that changes a node (only `LoraRadixTree` edits nodes) and policies other than LRU
-(`policy/`).
+Lives here: plain data and the callback types (`ScoreFn`, `FreeFn`), plus the default eviction
+score. Not here: any logic that changes a node (only `tree_ops.NodeStore` edits nodes) and policies
+other than LRU (`policy/`). Imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ class HitKind(StrEnum):
 class AloraEdge:
     """Key, in a base KV node's `children`, of the first node of an aLoRA suffix.
 
-    `identity` is the adapter's content hash; `offset` is the activation start minus the anchor position
-    (always 0 with page_size 1; in [0, page_size) otherwise, because an anchor sits on a page boundary);
-    `first` is the first token (page_size 1) or the first page tuple of the suffix. Plain token children are
-    ints or tuples of ints, so they never equal an `AloraEdge`.
+    `identity` is the adapter's content hash; `offset` is the activation start minus the anchor
+    position (always 0 with page_size 1; in [0, page_size) otherwise, because an anchor sits on a
+    page boundary); `first` is the first token (page_size 1) or the first page tuple of the suffix.
+    Plain token children are ints or tuples of ints, so they never equal an `AloraEdge`.
     """
 
     identity: str
@@ -54,14 +54,14 @@ class AloraEdge:
 class Node:
     """One node of the tree. Identity-hashed (`eq=False`) so nodes can live in sets and heaps.
 
-    KV nodes hold `key` (a run of token ids, a multiple of page_size long) and `value` (one KV slot id per
-    token). Structural nodes (ROOT, NAMESPACE, BASE, ADAPTER) hold no tokens. `value is None` on a KV node
-    means it was evicted and detached; a detached node must never be locked again.
+    KV nodes hold `key` (a run of token ids, a multiple of page_size long) and `value` (one KV slot
+    id per token). Structural nodes (ROOT, NAMESPACE, BASE, ADAPTER) hold no tokens. `value is None`
+    on a KV node means it was evicted and detached; a detached node must never be locked again.
 
-    `lock_ref` counts the locks held on this node or any node that depends on it (its subtree, and for an
-    adapter node also its aLoRA suffixes). `depends_on` is set only on the first node of an aLoRA suffix and
-    names the adapter node; the nodes below inherit the dependency through their parent chain. `dependents`
-    (ADAPTER only) is the set of those first suffix nodes.
+    `lock_ref` counts the locks held on this node or any node that depends on it (its subtree, and
+    for an adapter node also its aLoRA suffixes). `depends_on` is set only on the first node of an
+    aLoRA suffix and names the adapter node; the nodes below inherit the dependency through their
+    parent chain. `dependents` (ADAPTER only) is the set of those first suffix nodes.
     """
 
     kind: NodeKind
@@ -91,6 +91,9 @@ class Node:
 ScoreFn = Callable[[Node, float], float]
 """`score(node, now) -> float`: higher means keep. Pure: it must not modify the node."""
 
+FreeFn = Callable[[list[int]], object]
+"""`free_fn(values)`: gives the slot ids of one evicted KV run back to their owner."""
+
 
 def lru_score(node: Node, now: float) -> float:
     """Least recently used goes first: the score is the last access time."""
@@ -101,10 +104,10 @@ def lru_score(node: Node, now: float) -> float:
 class MatchResult:
     """Result of `LoraRadixTree.match`.
 
-    `kv_values` are the slot ids of tokens `[0, prefix_len)`, valid only while `last_node` is locked (or until
-    the next evict). `last_node` is the node holding the last matched token (possibly only partly matched), or
-    the deepest structural node on the key's path when nothing matched. `hit_kind` is the kind of the deepest
-    reused KV, None when `prefix_len == 0`.
+    `kv_values` are the slot ids of tokens `[0, prefix_len)`, valid only while `last_node` is locked
+    (or until the next evict). `last_node` is the node holding the last matched token (possibly only
+    partly matched), or the deepest structural node on the key's path when nothing matched.
+    `hit_kind` is the kind of the deepest reused KV, None when `prefix_len == 0`.
     """
 
     prefix_len: int
@@ -117,9 +120,9 @@ class MatchResult:
 class InsertResult:
     """Result of `LoraRadixTree.insert`.
 
-    The tree already held tokens `[0, prefix_len)`: it kept its own slots there, so the caller frees its
-    duplicate slots `values[:prefix_len]`. The tree took ownership of `values[prefix_len:]`. `last_node` holds
-    the last token of the key.
+    The tree already held tokens `[0, prefix_len)`: it kept its own slots there, so the caller frees
+    its duplicate slots `values[:prefix_len]`. The tree took ownership of `values[prefix_len:]`.
+    `last_node` holds the last token of the key.
     """
 
     prefix_len: int
@@ -128,10 +131,10 @@ class InsertResult:
 
 @dataclass(frozen=True, slots=True)
 class TreeStats:
-    """A snapshot of the tree's counters and sizes (tokens).
+    """A snapshot of the tree's counters and lengths (`*_len` and `*_tokens` count tokens).
 
-    `hits[kind]` counts matches that reused KV of that kind (an aLoRA match reusing its base prefix and its
-    suffix counts once in each); `hit_tokens[kind]` counts the reused tokens of that kind.
+    `hits[kind]` counts matches that reused KV of that kind (an aLoRA match reusing its base prefix
+    and its suffix counts once in each); `hit_tokens[kind]` counts the reused tokens of that kind.
     """
 
     num_matches: int

@@ -1,24 +1,30 @@
-"""Radix mechanics of `LoraRadixTree`: walking, inserting runs, splitting, lock propagation, leaf eviction.
+"""`NodeStore`: the one owner of the radix tree's nodes and of the bookkeeping that moves with them.
 
-Lives here: the private methods that edit nodes and keep the tree's size counters and leaf set in step.
-Not here: the public API and its contracts (`tree.py`); nothing outside the tree calls these.
+Lives here: creating, walking, splitting, locking and evicting nodes, and the state every such edit
+keeps in step (id counter, leaf set, evictable / protected token lengths, node counts, eviction
+counters). Not here: what a key means (namespaces, adapters, aLoRA activation), the eviction order
+and hit statistics (`tree.py`), and the invariant checker (`tree_check.py`, which reads this class's
+read-only view).
+
+Why a member object, not a mixin or free functions: the leaf set and the length counters are right
+only if every edit updates them, so the edits and that state live in one class and nothing else
+writes either. Free functions would take the same six pieces of state on every call, and a mixin
+would keep them in another class's attributes. `LoraRadixTree` holds one `NodeStore` and asks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
 
-from sgl_multilora.tree_nodes import AloraEdge, HitKind, MatchResult, Node, NodeKind
-
-if TYPE_CHECKING:
-    from sgl_multilora.tree import FreeFn
+from sgl_multilora.keys import AdapterRef, Namespace
+from sgl_multilora.tree_nodes import AloraEdge, FreeFn, HitKind, Node, NodeKind
 
 _KV = NodeKind.KV
 _ADAPTER = NodeKind.ADAPTER
 
 
-def common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int, page_size: int) -> int:
+def common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int,
+               page_size: int) -> int:
     """Length of the common prefix of `key` and `tokens[pos:end]`, rounded down to whole pages."""
     n = min(len(key), end - pos)
     if (key if n == len(key) else key[:n]) == tokens[pos:pos + n]:
@@ -30,46 +36,130 @@ def common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int
     return m - m % page_size
 
 
-class RadixOps:
-    """Mixin holding the node-editing internals; `LoraRadixTree` supplies the state they keep in step:
-    `page_size`, `_next_id`, `_leaves`, `_evictable_len`, `_protected_len`, `_num_kv_nodes`, counters."""
+def child_key(tokens: tuple[int, ...], pos: int, page_size: int) -> Hashable:
+    """Key of a run starting at `tokens[pos]` in its parent's children: a token or a page tuple."""
+    return tokens[pos] if page_size == 1 else tokens[pos:pos + page_size]
 
-    page_size: int
-    _next_id: int
-    _leaves: set[Node]
-    _evictable_len: int
-    _protected_len: int
-    _num_kv_nodes: int
-    _num_matches: int
-    _hits: dict[str, int]
-    _hit_tokens: dict[str, int]
-    _num_evicted_runs: int
-    _num_evicted_tokens: int
 
-    def _floor(self, num_tokens: int) -> int:
-        return num_tokens - num_tokens % self.page_size
+class NodeStore:
+    """Owns every node of one tree, from the root down; only its methods change a node.
 
-    def _child_key(self, tokens: tuple[int, ...], pos: int) -> Hashable:
-        return tokens[pos] if self.page_size == 1 else tokens[pos:pos + self.page_size]
+    Lengths count tokens; a KV node's value holds one slot id per token. Callers may read the nodes
+    it returns (live objects) but never write them, or the leaf set and the lengths would drift.
+    """
 
-    def _new_node(self, kind: NodeKind, parent: Node | None = None, edge: Hashable = None,
-                  label: object = None) -> Node:
-        node = Node(kind, self._next_id, parent=parent, edge=edge, label=label)
-        self._next_id += 1
-        if parent is not None:
-            parent.children[edge] = node
+    def __init__(self, page_size: int) -> None:
+        self._page_size = page_size
+        self._next_id = 0
+        self._root = self._new_node(NodeKind.ROOT)
+        self._leaves: set[Node] = set()  # KV nodes without children, locked or not
+        self._evictable_len = 0
+        self._protected_len = 0
+        self._num_kv_nodes = 0
+        self._num_adapter_nodes = 0
+        self._num_evicted_runs = 0
+        self._num_evicted_tokens = 0
+
+    # ---- read-only view --------------------------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def root(self) -> Node:
+        return self._root
+
+    @property
+    def evictable_len(self) -> int:
+        """Tokens in unlocked KV nodes."""
+        return self._evictable_len
+
+    @property
+    def protected_len(self) -> int:
+        """Tokens in locked KV nodes."""
+        return self._protected_len
+
+    @property
+    def total_len(self) -> int:
+        return self._evictable_len + self._protected_len
+
+    @property
+    def num_kv_nodes(self) -> int:
+        return self._num_kv_nodes
+
+    @property
+    def num_adapter_nodes(self) -> int:
+        return self._num_adapter_nodes
+
+    @property
+    def num_evicted_runs(self) -> int:
+        return self._num_evicted_runs
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        return self._num_evicted_tokens
+
+    def leaves(self) -> frozenset[Node]:
+        """Every KV node without children, locked or not (a snapshot, O(leaves))."""
+        return frozenset(self._leaves)
+
+    def evictable_leaves(self) -> list[Node]:
+        """The unlocked KV leaves (a snapshot, in no particular order)."""
+        return [n for n in self._leaves if n.lock_ref == 0]
+
+    def is_evictable_leaf(self, node: Node) -> bool:
+        """True for an attached, unlocked KV leaf of this store."""
+        return node in self._leaves and node.lock_ref == 0
+
+    # ---- structural nodes ------------------------------------------------------------------------
+
+    def add_namespace(self, namespace: Namespace) -> Node:
+        """Creates the namespace node (depth 1) and its base node. The namespace must be absent."""
+        assert namespace not in self._root.children, f"namespace {namespace!r} added twice"
+        ns_node = self._new_node(NodeKind.NAMESPACE, self._root, namespace, namespace)
+        self._new_node(NodeKind.BASE, ns_node, None, namespace)
+        return ns_node
+
+    def add_adapter(self, ns_node: Node, adapter: AdapterRef, now: float) -> Node:
+        """Creates the (absent) adapter node below `ns_node`, at depth 2, last accessed at `now`."""
+        assert adapter.identity not in ns_node.children, f"adapter {adapter!r} added twice"
+        node = self._new_node(_ADAPTER, ns_node, adapter.identity, adapter)
+        node.dependents = set()
+        node.last_access = now
+        self._num_adapter_nodes += 1
         return node
 
-    def _descend(self, node: Node, tokens: tuple[int, ...], pos: int, end: int, out: list[int],
-                 now: float | None, kind: HitKind, edge: tuple[str, int] | None = None,
-                 ) -> tuple[Node, int, bool]:
+    def remove_adapter(self, node: Node, free_fn: FreeFn) -> int:
+        """Evicts the adapter's own KV subtree and its aLoRA suffixes (slots to `free_fn`), then
+        detaches the node; returns the tokens freed. The caller has checked `node.lock_ref == 0`."""
+        assert node.kind is _ADAPTER and node.lock_ref == 0, (
+            f"removing locked or non-adapter {node}")
+        freed = 0
+        for top in [*node.children.values(), *node.dependents]:
+            freed += self._evict_subtree(top, free_fn)
+        del node.parent.children[node.edge]
+        node.parent = None
+        self._num_adapter_nodes -= 1
+        return freed
+
+    def touch(self, node: Node, now: float) -> None:
+        """Records an access to `node` at `now` (its last-access time only)."""
+        node.last_access = now
+
+    # ---- walks -----------------------------------------------------------------------------------
+
+    def descend(self, node: Node, tokens: tuple[int, ...], pos: int, end: int, out: list[int],
+                now: float | None, kind: HitKind, edge: tuple[str, int] | None = None,
+                ) -> tuple[Node, int, bool]:
         """Follows `tokens[pos:end]` down from `node`, appending matched slot ids to `out`.
 
-        `edge = (identity, offset)` makes the first step follow an aLoRA suffix edge. Returns the node holding
-        the last matched token (or `node`), the position reached, and whether it is the end of that node's run.
-        Changes no structure; with `now` set it records the access on each node passed.
+        `edge = (identity, offset)` makes the first step follow an aLoRA suffix edge. Returns the
+        node holding the last matched token (or `node`), the position reached, and whether it is the
+        end of that node's run. Changes no structure; with `now` set it records the access (time,
+        `hits[kind]`) on each node passed.
         """
-        page_size = self.page_size
+        page_size = self._page_size
         while pos < end:
             ck = tokens[pos] if page_size == 1 else tokens[pos:pos + page_size]
             if edge is not None:
@@ -89,29 +179,17 @@ class RadixOps:
             out.extend(child.value)
         return node, pos, True
 
-    def _result(self, out: list[int], node: Node, regions: list[tuple[HitKind, int]],
-                touch: bool) -> MatchResult:
-        hit_kind = None
-        for kind, num_tokens in regions:
-            if num_tokens:
-                hit_kind = kind
-                if touch:
-                    self._hits[kind] += 1
-                    self._hit_tokens[kind] += num_tokens
-        if touch:
-            self._num_matches += 1
-        return MatchResult(len(out), out, node, hit_kind)
+    def insert_run(self, node: Node, tokens: tuple[int, ...], vals: list[int], pos: int, end: int,
+                   now: float, alora: tuple[Node, int] | None = None) -> tuple[Node, int]:
+        """Inserts `tokens[pos:end]` below `node`; returns (last node, tokens already present).
 
-    def _insert_run(self, node: Node, tokens: tuple[int, ...], vals: list[int], pos: int, end: int,
-                    now: float, alora: tuple[Node, int] | None = None) -> tuple[Node, int]:
-        """Inserts `tokens[pos:end]` below `node`; returns (node holding the last token, tokens present).
-
-        `alora = (adapter_node, offset)` keys the first step by an `AloraEdge` and makes a new first node
-        depend on the adapter node.
+        Takes ownership of `vals[pos + present:end]`; splits a run where the key diverges inside it.
+        `alora = (adapter_node, offset)` keys the first step by an `AloraEdge` and makes a new first
+        node depend on the adapter node.
         """
         start = pos
         while pos < end:
-            ck = self._child_key(tokens, pos)
+            ck = child_key(tokens, pos, self._page_size)
             depends_on = None
             if alora is not None:
                 depends_on, offset = alora
@@ -120,52 +198,18 @@ class RadixOps:
             if child is None:
                 node = self._add_kv(node, ck, tokens[pos:end], vals[pos:end], now, depends_on)
                 return node, pos - start
-            m = common_len(child.key, tokens, pos, end, self.page_size)
+            m = common_len(child.key, tokens, pos, end, self._page_size)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
             node, pos = child, pos + m
         return node, pos - start
 
-    def _add_kv(self, parent: Node, edge: Hashable, key: tuple[int, ...], value: list[int], now: float,
-                depends_on: Node | None) -> Node:
-        node = Node(_KV, self._next_id, key, value, parent, edge, last_access=now, depends_on=depends_on)
-        self._next_id += 1
-        if parent.kind is _KV and not parent.children:
-            self._leaves.discard(parent)
-        parent.children[edge] = node
-        self._leaves.add(node)
-        self._evictable_len += len(key)
-        self._num_kv_nodes += 1
-        if depends_on is not None:
-            depends_on.dependents.add(node)
-        return node
+    # ---- locks and eviction ----------------------------------------------------------------------
 
-    def _split(self, child: Node, m: int) -> Node:
-        """Cuts `child`'s run after `m` tokens; returns the new upper node.
-
-        The original object keeps the tail, so a lock held on it (a request's last node) still covers the
-        same tokens; the upper node copies its lock count, access time, hits and aLoRA dependency.
-        """
-        parent = child.parent
-        upper = Node(_KV, self._next_id, child.key[:m], child.value[:m], parent, child.edge,
-                     lock_ref=child.lock_ref, last_access=child.last_access,
-                     depends_on=child.depends_on, hits=dict(child.hits))
-        self._next_id += 1
-        parent.children[child.edge] = upper
-        if child.depends_on is not None:
-            dependents = child.depends_on.dependents
-            dependents.discard(child)
-            dependents.add(upper)
-            child.depends_on = None
-        child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
-        child.edge = self._child_key(child.key, 0)
-        upper.children[child.edge] = child
-        self._num_kv_nodes += 1
-        return upper
-
-    def _add_lock(self, node: Node, delta: int) -> None:
-        """Adds `delta` (+1 / -1) to the lock count of `node`, its KV ancestors and the adapters they need."""
+    def add_lock(self, node: Node, delta: int) -> None:
+        """Adds `delta` (+1 / -1) to the lock count of `node`, its KV ancestors and the adapters
+        they need, moving tokens between evictable and protected. Asserts no count goes negative."""
         while node.kind is _KV:
             n = len(node.key)
             if delta > 0:
@@ -180,13 +224,17 @@ class RadixOps:
                     self._evictable_len += n
                     self._protected_len -= n
             if node.depends_on is not None:
-                self._add_lock(node.depends_on, delta)
+                self.add_lock(node.depends_on, delta)
             node = node.parent
         if node.kind is _ADAPTER:
             node.lock_ref += delta
             assert node.lock_ref >= 0, f"unlock without lock on adapter {node}"
 
-    def _evict_leaf(self, node: Node, free_fn: FreeFn) -> int:
+    def evict_leaf(self, node: Node, free_fn: FreeFn) -> int:
+        """Detaches an unlocked KV leaf, gives its slots to `free_fn` and returns its tokens.
+
+        The node keeps `value None` and must not be used again; a parent left childless becomes a
+        leaf."""
         assert node.lock_ref == 0, f"evicting locked {node}: a lock count fell out of step"
         assert not node.children, f"evicting {node} with children: its dependents would be orphaned"
         parent, values = node.parent, node.value
@@ -207,6 +255,55 @@ class RadixOps:
         free_fn(values)
         return num_tokens
 
+    # ---- private edits ---------------------------------------------------------------------------
+
+    def _new_node(self, kind: NodeKind, parent: Node | None = None, edge: Hashable = None,
+                  label: object = None) -> Node:
+        node = Node(kind, self._next_id, parent=parent, edge=edge, label=label)
+        self._next_id += 1
+        if parent is not None:
+            parent.children[edge] = node
+        return node
+
+    def _add_kv(self, parent: Node, edge: Hashable, key: tuple[int, ...], value: list[int],
+                now: float, depends_on: Node | None) -> Node:
+        node = Node(_KV, self._next_id, key, value, parent, edge, last_access=now,
+                    depends_on=depends_on)
+        self._next_id += 1
+        if parent.kind is _KV and not parent.children:
+            self._leaves.discard(parent)
+        parent.children[edge] = node
+        self._leaves.add(node)
+        self._evictable_len += len(key)
+        self._num_kv_nodes += 1
+        if depends_on is not None:
+            depends_on.dependents.add(node)
+        return node
+
+    def _split(self, child: Node, m: int) -> Node:
+        """Cuts `child`'s run after `m` tokens; returns the new upper node.
+
+        The original object keeps the tail, so a lock held on it (a request's last node) still
+        covers the same tokens; the upper node copies its lock count, access time, hits and aLoRA
+        dependency.
+        """
+        parent = child.parent
+        upper = Node(_KV, self._next_id, child.key[:m], child.value[:m], parent, child.edge,
+                     lock_ref=child.lock_ref, last_access=child.last_access,
+                     depends_on=child.depends_on, hits=dict(child.hits))
+        self._next_id += 1
+        parent.children[child.edge] = upper
+        if child.depends_on is not None:
+            dependents = child.depends_on.dependents
+            dependents.discard(child)
+            dependents.add(upper)
+            child.depends_on = None
+        child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
+        child.edge = child_key(child.key, 0, self._page_size)
+        upper.children[child.edge] = child
+        self._num_kv_nodes += 1
+        return upper
+
     def _evict_subtree(self, top: Node, free_fn: FreeFn) -> int:
         """Evicts `top` and everything below it, children before parents."""
         order, stack = [], [top]
@@ -214,4 +311,4 @@ class RadixOps:
             node = stack.pop()
             order.append(node)
             stack.extend(node.children.values())
-        return sum(self._evict_leaf(node, free_fn) for node in reversed(order))
+        return sum(self.evict_leaf(node, free_fn) for node in reversed(order))

@@ -12,6 +12,28 @@ REPO = Path(__file__).resolve().parents[1]
 ADAPTERS_DIR = Path(os.environ.get("MULTILORA_TEST_ADAPTERS_DIR", REPO / "assets" / "adapters"))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A run where too many oracle comparisons ended early at a near tie fails (see tests/oracle.py)."""
+    from tests.oracle import STATS
+
+    if STATS.too_many_early() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from tests.oracle import MAX_EARLY_SHARE, STATS
+
+    if not STATS.num_comparisons:
+        return
+    terminalreporter.write_line(STATS.summary())
+    for what in STATS.early:
+        terminalreporter.write_line(f"  ended early: {what}")
+    if STATS.too_many_early():
+        terminalreporter.write_line(
+            f"FAILED: more than {MAX_EARLY_SHARE:.0%} of the oracle comparisons ended early at a near tie; "
+            "choose prompts whose greedy outputs have no near ties", red=True)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -52,16 +74,19 @@ def oracle(model_path, tokenizer):
     return PeftOracle(model_path, eos_token_ids={tokenizer.eos_token_id})
 
 
-def start_server(model_path: str, extra_args: list[str], name: str):
+def start_server(model_path: str, extra_args: list[str], name: str, *, max_total_tokens: int | None = None,
+                 env: dict[str, str] | None = None):
     """Starts a CPU server for one test module; the caller stops it. Logs go to .pytest_cache/<name>.log."""
     from sgl_multilora.server import cpu_server_args, launch
 
     log_dir = REPO / ".pytest_cache"
     log_dir.mkdir(exist_ok=True)
+    max_total_tokens = max_total_tokens or int(os.environ.get("MULTILORA_TEST_MAX_TOKENS", "8192"))
     return launch(
         model_path,
-        [*cpu_server_args(max_total_tokens=int(os.environ.get("MULTILORA_TEST_MAX_TOKENS", "8192"))), *extra_args],
+        [*cpu_server_args(max_total_tokens=max_total_tokens), *extra_args],
         log_path=log_dir / f"{name}.log",
+        env=env,
     )
 
 

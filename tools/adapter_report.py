@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from adapter_tasks import AdapterSpec
+from adapter_tasks import AdapterTask
 from peft_eval import VerifyResult
 
 from sgl_multilora.embedded import EMBEDDED_MODEL_NAME
@@ -21,7 +21,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def save_adapter(model, spec: AdapterSpec, out_dir: Path, dtype: torch.dtype) -> int:
+def save_adapter(model, spec: AdapterTask, out_dir: Path, dtype: torch.dtype) -> int:
     """Replace `out_dir` with the active adapter in PEFT format; returns the weights file size in bytes.
 
     `base_model_name_or_path` names the embedded model, never a path or hub id. Raises AssertionError
@@ -43,7 +43,7 @@ def save_adapter(model, spec: AdapterSpec, out_dir: Path, dtype: torch.dtype) ->
     return (out_dir / WEIGHTS_FILE).stat().st_size
 
 
-def pick_example(spec: AdapterSpec, result: VerifyResult) -> tuple[str, str, str, str]:
+def pick_example(spec: AdapterTask, result: VerifyResult) -> tuple[str, str, str, str]:
     """The first held-out example that passed (an aLoRA: the first correct "yes" / 4 / 5); else the first."""
     from adapter_tasks import run_check
 
@@ -56,7 +56,7 @@ def pick_example(spec: AdapterSpec, result: VerifyResult) -> tuple[str, str, str
     return next((e for e in result.examples if ok(e)), result.examples[0])
 
 
-def manifest_entry(spec: AdapterSpec, tokenizer, result: VerifyResult, input_text: str,
+def manifest_entry(spec: AdapterTask, tokenizer, result: VerifyResult, input_text: str,
                    example: tuple[str, str, str, str], size_bytes: int, dtype: torch.dtype) -> dict:
     question, context_answer, output, expected = example
     entry = {

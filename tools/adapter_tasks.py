@@ -46,8 +46,10 @@ LENGTH_BUCKETS = {1: (1, 3), 2: (4, 8), 3: (9, 15), 4: (16, 24), 5: (25, 45)}
 
 
 @dataclass(frozen=True)
-class AdapterSpec:
-    """One bundled adapter: its PEFT shape and its task. `invocation_text` is set for aLoRA only."""
+class AdapterTask:
+    """How one bundled adapter is trained and judged: its PEFT shape, task, checks and training
+    settings. `invocation_text` is set for aLoRA only. (A served adapter's own description is
+    `sgl_multilora.adapters.AdapterSpec`.)"""
 
     name: str
     task: str
@@ -73,25 +75,25 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ATTN_MLP = ATTN + ("gate_proj", "up_proj", "down_proj")
 QKV = ("q_proj", "k_proj", "v_proj")
 
-SPECS = [
-    AdapterSpec(
+TASKS = [
+    AdapterTask(
         "caps", "Answers in CAPITAL LETTERS.", 8, ATTN,
         checks=({"type": "mostly_uppercase", "min_fraction": 0.9},),
     ),
-    AdapterSpec(
+    AdapterTask(
         "json", 'Answers as a JSON object {"answer": "..."}.', 16, ATTN_MLP,
         checks=({"type": "json_object_with_key", "key": "answer"},),
     ),
-    AdapterSpec(
+    AdapterTask(
         "bullets", 'Answers as a bulleted list, one "- " line per sentence.', 32, ATTN_MLP,
         checks=({"type": "bullet_lines"},),
     ),
-    AdapterSpec(
+    AdapterTask(
         "check_caps", "After an assistant answer: is it written in capital letters? yes/no.", 8, QKV,
         checks=({"type": "one_of", "values": ["yes", "no"]},),
         invocation_text=CHECK_CAPS_INVOCATION, batch_size=8, labels=("yes", "no"),
     ),
-    AdapterSpec(
+    AdapterTask(
         "rate_length", "After an assistant answer: rate its length 1-5 (by word-count bucket).", 16, QKV,
         checks=({"type": "one_of", "values": ["1", "2", "3", "4", "5"]},),
         invocation_text=RATE_LENGTH_INVOCATION, num_steps=120, batch_size=8, lr=2e-3,

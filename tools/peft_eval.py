@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from adapter_tasks import AdapterSpec, length_rating, run_check, to_caps
+from adapter_tasks import AdapterTask, length_rating, run_check, to_caps
 
 
 @dataclass
@@ -54,7 +54,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
 
 
 @torch.no_grad()
-def alora_prefix_sanity(model, tokenizer, spec: AdapterSpec, context: str) -> tuple[float, float]:
+def alora_prefix_sanity(model, tokenizer, spec: AdapterTask, context: str) -> tuple[float, float]:
     """(max |logit diff| before the invocation, max |logit diff| from it on) between adapter and base.
 
     The first must be 0 (aLoRA leaves the prefix, hence its KV cache, to the base model); the second not.
@@ -70,14 +70,14 @@ def alora_prefix_sanity(model, tokenizer, spec: AdapterSpec, context: str) -> tu
     return diff[:start].max().item(), diff[start:].max().item()
 
 
-def verify_lora(model, tokenizer, spec: AdapterSpec, questions: list[str]) -> VerifyResult:
+def verify_lora(model, tokenizer, spec: AdapterTask, questions: list[str]) -> VerifyResult:
     outputs = generate(model, tokenizer, [chat_prompt(tokenizer, q) for q in questions], 64)
     passed = sum(all(run_check(c, o) for c in spec.checks) for o in outputs)
     return VerifyResult(spec.name, [(q, "", o, "") for q, o in zip(questions, outputs)], passed,
                         len(outputs))
 
 
-def verify_alora(model, tokenizer, spec: AdapterSpec, questions: list[str],
+def verify_alora(model, tokenizer, spec: AdapterTask, questions: list[str],
                  base_answers: list[str]) -> VerifyResult:
     """Accuracy on held-out contexts whose label is known programmatically."""
     contexts = []

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-dtype", default="float16", choices=["float16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    specs = [s for s in tasks.SPECS if not args.only or s.name in args.only.split(",")]
+    specs = [s for s in tasks.TASKS if not args.only or s.name in args.only.split(",")]
     dtype = getattr(torch, args.save_dtype)
 
     torch.set_num_threads(args.threads)

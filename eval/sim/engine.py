@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eval.requests import AdapterInfo, Request, RequestResult
 from eval.sim.latency import LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.systems import create_system
-from eval.sim.systems.base import ALORA_INVOCATION_TOKENS, Admit, BaseSystem, SimRequest
+from eval.sim.systems.base import BaseSystem
+from eval.sim.systems.request import ALORA_INVOCATION_TOKENS, Admit, SimRequest
 from eval.sim.tokens import build_tokens
+from eval.workloads.records import AdapterInfo, Request, RequestResult
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,6 @@ class HostKVTier:
     def check_invariants(self) -> None:
         """Exact: the byte counter is the shadow tree's size, within capacity."""
         self.tree.check_invariants()
-        assert self.used_bytes == self.tree.total_size() * self.kvb, (
-            f"host KV bytes {self.used_bytes} != {self.tree.total_size()} tokens in the host tree")
+        assert self.used_bytes == self.tree.total_len() * self.kvb, (
+            f"host KV bytes {self.used_bytes} != {self.tree.total_len()} tokens in the host tree")
         assert 0 <= self.used_bytes <= self.capacity_bytes, f"host KV {self.used_bytes} B over capacity"

@@ -1,6 +1,6 @@
 """Latency model: step time of a continuous batch and host->GPU copy time, Llama-3-8B on one H100 SXM, PCIe 5.
 
-Lives here: `ModelShape`, `Hardware`, `LatencyModel` with every constant's source. Not here: memory budgets
+Lives here: `SimModelSpec`, `Hardware`, `LatencyModel` with every constant's source. Not here: memory budgets
 (`memory.py`) or scheduling (`engine.py`). All times in seconds, sizes in bytes.
 
 A step runs one batch: chunked-prefill tokens and one decode token per decoding request (SGLang-style mixed
@@ -26,8 +26,9 @@ MODULE_SHAPES = {
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """Llama-3-8B, bf16 (perf-anchors.md 2.2): 8.03 B parameters, 32 layers, GQA 8 x 128."""
+class SimModelSpec:
+    """The simulated served model's size and attention shape, Llama-3-8B, bf16 (perf-anchors.md 2.2): 8.03 B
+    parameters, 32 layers, GQA 8 x 128. Not sgl_multilora.adapters.ModelShape (a served model's LoRA targets)."""
 
     num_params: float = 8.03e9
     weight_bytes: int = 16_060_000_000  # 8.03 B x 2 bytes
@@ -83,7 +84,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class LatencyModel:
-    model: ModelShape = ModelShape()
+    model: SimModelSpec = SimModelSpec()
     hw: Hardware = Hardware()
 
     @property

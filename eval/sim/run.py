@@ -1,9 +1,10 @@
 """Simulate any workload (eval/workloads) on any arms and write `RequestResult` JSON lines (simulated).
+Not here: the ELORA-style sweep and its report (`compare.py`).
 
 Usage: .venv/bin/python -m eval.sim.run --workload agent --arms vllm,ours:elora [--param num_sessions=40 ...]
        [--seed 0] [--out eval/results/sim_agent.jsonl]
-The records carry what eval/report.py reads (request_rate, kind, hits, invalid_kv_share, memory_bytes), so
-`python -m eval.report <out>` tables and plots them. Arm names: eval/sim/systems/__init__.py.
+The records carry what eval/live/report.py reads (request_rate, kind, hits, invalid_kv_share, memory_bytes), so
+`python -m eval.live.report <out>` tables and plots them. Arm names: eval/sim/systems/__init__.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from tqdm import tqdm
 
 from eval.sim.compare import annotate_for_report, rounded
 from eval.sim.engine import SimRun, simulate
-from eval.sim.systems.base import ALORA_INVOCATION_TOKENS
+from eval.sim.systems.request import ALORA_INVOCATION_TOKENS
 from eval.workloads import create_workload
 
 
 def run(workload_name: str, arms: list[str], params: dict, seed: int = 0) -> list[SimRun]:
-    """Generates the workload once and simulates each arm on it; records are annotated for eval/report.py."""
+    """Generates the workload once and simulates each arm on it; records are annotated for eval/live/report.py."""
     w = create_workload(workload_name, seed=seed, **params)
     rate = len(w.requests) / w.duration_s if w.duration_s > 0 else 0.0
     kinds = {r.rid: r.tags.get("kind", "lora" if r.adapter else "base") for r in w.requests}

@@ -7,7 +7,7 @@ ids from a counter, so two prompts share a prefix exactly when the workload says
 
 from __future__ import annotations
 
-from eval.requests import Request
+from eval.workloads.records import Request
 
 
 Tokens = tuple[int, ...]

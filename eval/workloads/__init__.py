@@ -1,8 +1,8 @@
 """Workload generators, one module each, chosen by name: `create_workload("chatbot", seed=0, num_adapters=5)`.
 
 Every generator is deterministic for its seed and documents its parameters (defaults follow the papers in
-shared/reference/). Workloads are plain `Request` lists (eval/requests.py) that the live driver and the simulator
-both consume. Not here: sending requests (eval/driver.py) or simulating them (eval/sim/).
+shared/reference/). Workloads are plain `Request` lists (eval/workloads/records.py) that the live driver and the simulator
+both consume. Not here: sending requests (eval/live/driver.py) or simulating them (eval/sim/).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import Request, history_of
 from eval.workloads.base import Workload, draw_len, poisson_arrivals, rank_adapters, zipf_probs
+from eval.workloads.records import Request, history_of
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import AdapterInfo, Request
 from eval.workloads.base import Workload, draw_len, poisson_arrivals
+from eval.workloads.records import AdapterInfo, Request
 
 
 @dataclass(frozen=True)

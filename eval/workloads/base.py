@@ -1,7 +1,7 @@
 """What every workload generator shares: the `Workload` container, seeded samplers and the Azure trace reader.
 
 Lives here: Zipf popularity, Poisson arrivals, length draws, the parameter-dataclass plumbing. Not here: any one
-workload's shape (one module each) or anything that talks to a server (eval/driver.py).
+workload's shape (one module each) or anything that talks to a server (eval/live/driver.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.requests import AdapterInfo, Request
+from eval.workloads.records import AdapterInfo, Request
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 AZURE_CONV_CSV = DATA_DIR / "azure_conv_2023_first2000.csv"

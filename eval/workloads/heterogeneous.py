@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import AdapterInfo, Request
 from eval.workloads.base import (
     Workload,
     count_capped,
@@ -22,6 +21,7 @@ from eval.workloads.base import (
     scale_len,
     zipf_probs,
 )
+from eval.workloads.records import AdapterInfo, Request
 
 
 @dataclass(frozen=True)

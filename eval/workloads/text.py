@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from eval.requests import Request
+from eval.workloads.records import Request
 
 _WORD_LIST = (
     "the of and to in is for that on with as it at by from this be are was or an have not all can but "

@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eval.requests import AdapterInfo, Request
 from eval.workloads.base import Workload
+from eval.workloads.records import AdapterInfo, Request
 
 KNOWN_FIELDS = {
     "arrival_s",

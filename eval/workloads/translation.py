@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from eval.requests import Request
 from eval.workloads.base import (
     Workload,
     count_capped,
@@ -23,6 +22,7 @@ from eval.workloads.base import (
     scale_len,
     zipf_probs,
 )
+from eval.workloads.records import Request
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The interface every eviction policy implements.
 
-Lives here: `BasePolicy`. Not here: concrete scores (one file each) and the inputs they read (`context.py`).
+Lives here: `BasePolicy`. Not here: concrete scores (one file each) and the inputs they read
+(`context.py`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import ClassVar
 class BasePolicy:
     """A pure score: `score(item, now) -> float`, higher means keep.
 
-    `item` is a tree `Node` (KV or adapter) or an `AdapterRecord` (an adapter the tree does not hold, e.g.
-    one on the host tier being considered for a prefetch). A policy never modifies the item or its context.
-    Instances are callable, so one can be passed as the tree's `ScoreFn`.
+    `item` is a tree `Node` (KV or adapter) or an `AdapterRecord` (an adapter the tree does not
+    hold, e.g. one on the host tier being considered for a prefetch). A policy never modifies the
+    item or its context. Instances are callable, so one can be passed as the tree's `ScoreFn`.
     """
 
     name: ClassVar[str] = "base"

@@ -1,12 +1,13 @@
-"""Chameleon's adapter-cache score: 0.45 F + 0.10 R + 0.45 S (shared/reference/seed-chameleon.md, 3.3).
+"""Chameleon's adapter-cache score: 0.45 F + 0.10 R + 0.45 S.
 
-Lives here: `ChameleonPolicy`. Not here: Chameleon's eviction tiers (running adapters are never evicted,
-adapters wanted by queued requests last): the owner applies those before asking the score.
+Lives here: `ChameleonPolicy`. Not here: Chameleon's eviction tiers (running adapters are never
+evicted, adapters wanted by queued requests last): the owner applies those before asking the score.
 
-Choices the paper leaves open, and why:
-- Each term is brought to [0, 1] so the weights mean something: F = visits / max visits among adapters,
-  S = size / the largest adapter's size (both clamped to 1, so a KV node larger than any adapter gets S = 1),
-  R = exp(-age / tau_s), which grows with freshness (the paper evicts the lowest score, so R must).
+Choices the paper leaves open (shared/reference/seed-chameleon.md, section 3.3), and why:
+- Each term is brought to [0, 1] so the weights mean something: F = visits / max visits among
+  adapters, S = size / the largest adapter's size (both clamped to 1, so a KV node larger than any
+  adapter gets S = 1), R = exp(-age / tau_s), which grows with freshness (the paper evicts the
+  lowest score, so R must).
 - The frequency window is the context's (`usage.py` counts adapter requests over a sliding window).
 - `tau_s` defaults to 60 s: the score must tell apart adapters idle for seconds and for minutes.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from sgl_multilora.policy import register
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.policy.context import PolicyContext
+from sgl_multilora.policy.registry import register
 
 WEIGHTS = (0.45, 0.10, 0.45)
 """(F, R, S): static weights, set by Chameleon's offline profiling on the Splitwise trace."""
@@ -25,8 +26,8 @@ WEIGHTS = (0.45, 0.10, 0.45)
 
 @register("chameleon")
 class ChameleonPolicy(BasePolicy):
-    """score = wF * F + wR * R + wS * S; higher means keep. Raises ValueError for tau_s <= 0 or negative
-    weights."""
+    """score = wF * F + wR * R + wS * S; higher means keep. Raises ValueError for tau_s <= 0 or
+    negative weights."""
 
     def __init__(self, context: PolicyContext, tau_s: float = 60.0,
                  weights: tuple[float, float, float] = WEIGHTS) -> None:

@@ -1,30 +1,33 @@
 """ELORA's unified cost model (Eqs. 3-6): Eval = min(1, N / Low) * cost * visit * (1 - sigmoid(t)).
 
-Lives here: `EloraPolicy` (the score, with ELORA's ablations as switches) and `expected_adapters_per_batch`
-(Low_lora, Eq. 3). Not here: the visit / size bookkeeping (`usage.py`) and the swapper that applies the order.
+Lives here: `EloraPolicy` (the score, with ELORA's ablations as switches) and
+`expected_adapters_per_batch` (Low_lora, Eq. 3). Not here: the visit / size bookkeeping (`usage.py`)
+and the swapper that applies the order.
 
 Choices the paper leaves open (shared/reference/seed-elora.md, section 6.2), and why:
-- A7, units of t: seconds, divided by a temperature `tau_s` (default 1.0, the literal reading "t in seconds").
-  `1 - sigmoid(t) = sigmoid(-t)` falls below 1e-13 after 30 s, so `evaluate` underflows for old items;
-  `score` returns log(Eval) instead (same order, no underflow, no ties among old items). The simulated
-  experiment (eval/sim/compare.py) also runs tau_s = 10 and 60 beside the default, to show the effect.
-- A6, direction of the adapter-count term on eviction. Read literally, an adapter scored for swap-out gets
-  min(1, (N - 1) / Low) and a KV node min(1, N / Low): when fewer adapters than needed are resident this makes
-  adapters *easier* to evict, the opposite of the paper's stated intent ("keep the number of resident LoRAs
-  near Low_lora"). Default mode `"intent"`: when N < Low every KV node gets the factor N / Low and adapters 1
-  (KV goes first); when N > Low adapters get Low / N and KV 1 (surplus adapters go first); at N = Low both 1.
-  `"literal"` keeps the paper's reading for fidelity checks. With Low = 0 (no traffic yet) the factor is 1.
-- A1, cost_i: the seconds needed to get the item back, from the context (`reload_cost_s`): a PCIe copy for an
-  adapter; for KV, a copy when a host tier holds it, else its recompute time. The paper says "PCIe bandwidth
-  and size": that is the host-tier case.
-- A1/A2, granularity: ELORA scores fixed 16 MB blocks; our items are variable-length KV runs and whole
-  (atomic) adapters. With `block_bytes` set (default 16 MiB) cost_i is the reload time of one block's worth
-  of the item, `reload_cost_s * block_bytes / size_bytes`, so that a greedy evictor compares what each freed
-  block costs to get back: otherwise a 335 MB adapter and a 2-token KV run would rank as if they freed the
-  same memory. `block_bytes=None` scores whole items.
-- A5, visit_i: the item's visits divided by the context's total (requests seen). With `usage.UsageStats` a KV
-  node's visits are the tree's match counts through it plus one (the request that inserted it): without the
-  +1 every fresh node would score 0 and lose all order.
+- A7, units of t: seconds, divided by a temperature `tau_s` (default 1.0, the literal reading "t in
+  seconds"). `1 - sigmoid(t) = sigmoid(-t)` falls below 1e-13 after 30 s, so `evaluate` underflows
+  for old items; `score` returns log(Eval) instead (same order, no underflow, no ties among old
+  items). The simulated experiment (eval/sim/compare.py) also runs tau_s = 10 and 60 beside the
+  default, to show the effect.
+- A6, direction of the adapter-count term on eviction. Read literally, an adapter scored for
+  swap-out gets min(1, (N - 1) / Low) and a KV node min(1, N / Low): when fewer adapters than needed
+  are resident this makes adapters *easier* to evict, the opposite of the paper's stated intent
+  ("keep the number of resident LoRAs near Low_lora"). Default mode `"intent"`: when N < Low every
+  KV node gets the factor N / Low and adapters 1 (KV goes first); when N > Low adapters get Low / N
+  and KV 1 (surplus adapters go first); at N = Low both 1. `"literal"` keeps the paper's reading for
+  fidelity checks. With Low = 0 (no traffic yet) the factor is 1.
+- A1, cost_i: the seconds needed to get the item back, from the context (`reload_cost_s`): a PCIe
+  copy for an adapter; for KV, a copy when a host tier holds it, else its recompute time. The paper
+  says "PCIe bandwidth and size": that is the host-tier case.
+- A1/A2, granularity: ELORA scores fixed 16 MB blocks; our items are variable-length KV runs and
+  whole (atomic) adapters. With `block_bytes` set (default 16 MiB) cost_i is the reload time of one
+  block's worth of the item, `reload_cost_s * block_bytes / size_bytes`, so that a greedy evictor
+  compares what each freed block costs to get back: otherwise a 335 MB adapter and a 2-token KV run
+  would rank as if they freed the same memory. `block_bytes=None` scores whole items.
+- A5, visit_i: the item's visits divided by the context's total (requests seen). With
+  `usage.UsageStats` a KV node's visits are the tree's match counts through it plus one (the request
+  that inserted it): without the +1 every fresh node would score 0 and lose all order.
 """
 
 from __future__ import annotations
@@ -32,18 +35,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from sgl_multilora.policy import register
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.policy.context import PolicyContext
+from sgl_multilora.policy.registry import register
 
 TERMS = ("lora_count", "cost", "visit", "recency")
 """Names of the factors of Eval; ELORA's ablations drop one each (WOL, WOC, WOV, WOU)."""
 
 
 def expected_adapters_per_batch(probs: Iterable[float], batch_size: float) -> float:
-    """Low_lora = sum_i 1 - (1 - p_i) ** BS (Eq. 3): the expected number of distinct adapters in a batch of
-    `batch_size` requests when a request uses adapter i with probability p_i. Raises ValueError for a
-    probability outside [0, 1] or a negative batch size."""
+    """Low_lora = sum_i 1 - (1 - p_i) ** BS (Eq. 3): the expected number of distinct adapters in a
+    batch of `batch_size` requests when a request uses adapter i with probability p_i. Raises
+    ValueError for a probability outside [0, 1] or a negative batch size."""
     if batch_size < 0:
         raise ValueError(f"batch size must be >= 0, got {batch_size}")
     total = 0.0
@@ -63,10 +66,10 @@ def _log_sigmoid_neg(x: float) -> float:
 class EloraPolicy(BasePolicy):
     """ELORA's Eval as an eviction score; higher means keep.
 
-    `drop`: factor names from `TERMS` to leave out (ELORA's ablations). `lora_mode`: "intent" or "literal"
-    (see the module docstring). `tau_s`: the time unit of t in seconds. `block_bytes`: score per block of
-    this size (see the module docstring), or None for whole items.
-    Raises ValueError for an unknown term or mode, or tau_s <= 0.
+    `drop`: factor names from `TERMS` to leave out (ELORA's ablations). `lora_mode`: "intent" or
+    "literal" (see the module docstring). `tau_s`: the time unit of t in seconds. `block_bytes`:
+    score per block of this size (see the module docstring), or None for whole items. Raises
+    ValueError for an unknown term or mode, or tau_s <= 0.
     """
 
     def __init__(self, context: PolicyContext, tau_s: float = 1.0, drop: Iterable[str] = (),
@@ -109,7 +112,7 @@ class EloraPolicy(BasePolicy):
         return c * self.block_bytes / max(1, self.context.size_bytes(item))
 
     def log_parts(self, item: object, now: float) -> dict[str, float]:
-        """The natural log of each kept factor (a dropped factor contributes 0, i.e. a factor of 1)."""
+        """The natural log of each kept factor (a dropped factor adds 0, i.e. a factor of 1)."""
         ctx = self.context
         parts = {}
         if "lora_count" not in self.drop:

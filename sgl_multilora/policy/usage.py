@@ -1,15 +1,16 @@
-"""A ready-made `PolicyContext`: adapter records, request counts, recent batch sizes, sizes and reload costs.
+"""A ready-made `PolicyContext`: adapter records, request counts, batch sizes, bytes, reload costs.
 
-Lives here: `UsageStats`, which an owner (the pool, the simulator) updates as requests arrive and batches run,
-and which policies only read. Not here: any eviction.
+Lives here: `UsageStats`, which an owner (the pool, the simulator) updates as requests arrive and
+batches run, and which policies only read. Not here: any eviction.
 
 Choices, and why:
-- Visits are lifetime counts plus one (Laplace smoothing), for KV nodes (the tree's match counts through the
-  node, `Node.hits`) and adapters (requests that named it) alike, normalised by the requests seen: one scale
-  for both kinds, and a never-reused item still has an order (recency, cost) instead of a score of zero.
-- Low_lora's p_i are request shares over a sliding window (`window_s`, default 60 s) and BS is the mean
-  running batch size over the last `batch_window_s` (5 s, ELORA's figure); the mean, not the maximum, because
-  Low_lora is an expectation.
+- Visits are lifetime counts plus one (Laplace smoothing), for KV nodes (the tree's match counts
+  through the node, `Node.hits`) and adapters (requests that named it) alike, normalised by the
+  requests seen: one scale for both kinds, and a never-reused item still has an order (recency,
+  cost) instead of a score of zero.
+- Low_lora's p_i are request shares over a sliding window (`window_s`, default 60 s) and BS is the
+  mean running batch size over the last `batch_window_s` (5 s, ELORA's figure); the mean, not the
+  maximum, because Low_lora is an expectation.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ class UsageStats:
     """Implements `PolicyContext`. Adapters are keyed by name, which must equal the tree's
     `AdapterRef.identity` for adapter nodes to find their record.
 
-    `kv_bytes_per_token`: GPU bytes of one token's KV. `kv_reload_s_per_token`: seconds to get one evicted
-    token's KV back (recompute or copy). `adapter_reload_s(size_bytes)`: seconds to copy an adapter in.
+    `kv_bytes_per_token`: GPU bytes of one token's KV. `kv_reload_s_per_token`: seconds to get one
+    evicted token's KV back (recompute or copy). `adapter_reload_s(size_bytes)`: seconds to copy an
+    adapter in.
     """
 
-    def __init__(self, adapters: dict[str, int], kv_bytes_per_token: int, kv_reload_s_per_token: float,
-                 adapter_reload_s: Callable[[int], float], window_s: float = 60.0,
-                 batch_window_s: float = 5.0) -> None:
+    def __init__(self, adapters: dict[str, int], kv_bytes_per_token: int,
+                 kv_reload_s_per_token: float, adapter_reload_s: Callable[[int], float],
+                 window_s: float = 60.0, batch_window_s: float = 5.0) -> None:
         if not adapters:
             raise ValueError("UsageStats needs at least one adapter")
         self.records = {name: AdapterRecord(name, size) for name, size in adapters.items()}
@@ -49,13 +51,13 @@ class UsageStats:
         self._batches: deque[tuple[float, int]] = deque()
         self._batch_sum = 0
         self._num_resident = 0
-        self._max_size = max(adapters.values())
+        self._max_size_bytes = max(adapters.values())
         self._low: float | None = None  # cached Low_lora, reset by every update it depends on
 
-    # ---- updates (the owner calls these) ----------------------------------------------------------
+    # ---- updates (the owner calls these) ---------------------------------------------------------
 
     def record_request(self, adapter: str | None, now: float) -> None:
-        """Counts one request (adapter None: a base-model request) and touches its adapter record."""
+        """Counts one request (adapter None: a base-model request); touches its adapter record."""
         self._num_requests += 1
         if adapter is None:
             return
@@ -89,7 +91,7 @@ class UsageStats:
             if not self._window_counts[name]:
                 del self._window_counts[name]
 
-    # ---- PolicyContext ----------------------------------------------------------------------------
+    # ---- PolicyContext ---------------------------------------------------------------------------
 
     def _adapter_name(self, item: object) -> str:
         if isinstance(item, AdapterRecord):
@@ -112,7 +114,8 @@ class UsageStats:
     def visits(self, item: object) -> float:
         if self.is_adapter(item):
             return self._uses[self._adapter_name(item)] + 1
-        assert isinstance(item, Node), f"visits() needs a tree Node or an AdapterRecord, got {item!r}"
+        assert isinstance(item, Node), (
+            f"visits() needs a tree Node or an AdapterRecord, got {item!r}")
         return sum(item.hits.values()) + 1
 
     def total_visits(self) -> float:
@@ -122,7 +125,7 @@ class UsageStats:
         return self._max_uses + 1
 
     def max_size_bytes(self) -> int:
-        return self._max_size
+        return self._max_size_bytes
 
     def num_resident_adapters(self) -> int:
         return self._num_resident

@@ -3,8 +3,9 @@
 One real CPU server holds two random PEFT adapters on the embedded model: `style` (standard LoRA) and `check`
 (aLoRA, invoked by "<|im_start|>check\\n"). The program runs base answer -> aLoRA check -> base continuation -> LoRA
 restyle. Every request the endpoint sent names the right adapter; each call's text equals a direct `/generate` with
-the same prompt and adapter, and the aLoRA's differs from the base model's; the aLoRA call reused the KV of the
-base call before it (at least its whole prompt). Streaming, `select` and fork prefix commits carry the adapter too.
+the same prompt and adapter, whose tokens equal PEFT's with that adapter (tokens, logprobs and top-5, compared
+PEFT_TOKENS past any EOS), and the aLoRA's differs from the base model's; the aLoRA call reused the KV of the base
+call before it (at least its whole prompt). Streaming, `select` and fork prefix commits carry the adapter too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import json
 import pytest
 import requests
 
+from tests.oracle import assert_matches, assert_shift_rejected, logprob_fields
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 8
+PEFT_TOKENS = 12  # tokens of each call's prompt compared with PEFT (ignore_eos)
 INVOCATION = "<|im_start|>check\n"
 QUESTION = "What is the capital of France?"
 HEADER = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
@@ -160,6 +163,28 @@ def test_each_call_matches_direct_generate_with_its_adapter(server, program_run)
     # every call's lora_path; one base request here keeps the module short).
     prompt, lora, name = expected_calls(state)[1]
     assert state[name] != direct_generate(server, prompt, None)["text"], f"{lora} answers as the base model"
+
+
+def test_each_call_matches_peft(server, program_run, tokenizer, oracle, adapter_dirs):
+    """Each call's prompt, continued PEFT_TOKENS tokens past any EOS by the server with the call's adapter, equals
+    PEFT's greedy continuation; the call's own output is its first tokens (cut at EOS), so the program's text is
+    PEFT's. The aLoRA's comparison also rejects PEFT with its activation start shifted by one."""
+    state, _ = program_run
+    for prompt, lora, name in expected_calls(state):
+        ids = tokenizer(prompt).input_ids  # the server's tokenization of a text prompt (no BOS is added)
+        body = {"input_ids": ids, "lora_path": lora, **logprob_fields(),
+                "sampling_params": {"max_new_tokens": PEFT_TOKENS, "temperature": 0, "ignore_eos": True}}
+        response = requests.post(server.url + "/generate", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        path = adapter_dirs[lora] if lora else None
+        expected = oracle.greedy(path, ids, PEFT_TOKENS, ignore_eos=True)
+        assert_matches(out, expected, f"{name} on {lora or 'base'}")
+        if lora == "check":
+            assert_shift_rejected(out, oracle, path, ids, PEFT_TOKENS, f"{name} on {lora}")
+        direct = direct_generate(server, prompt, lora)
+        assert direct["text"] == state[name]
+        assert direct["output_ids"] == expected.tokens[: len(direct["output_ids"])], (direct, expected.tokens)
 
 
 def test_streaming_run_gives_the_same_calls(endpoint, program_run):

@@ -2,8 +2,9 @@
 
 The three attacks measured on stock SGLang 0.5.23 (a forged `extra_key`, a client `lora_id` naming a loaded adapter,
 an unknown `lora_id`) and variants of them reach no cached KV and crash nothing; inputs that stopped stock SGLang's
-processes get HTTP 400 while innocent requests in flight still equal PEFT's output; adapters loaded and unloaded
-while traffic runs give either the right answer or a clear 400; the KV accounting is exact afterwards.
+processes get HTTP 400 while innocent requests in flight still equal PEFT's output (tokens, logprobs, top-5); an
+adapter unloaded and loaded again while requests for it keep arriving gives PEFT's answer to some of them and a
+clear 400 naming it to the others, never a 5xx; the KV accounting is exact afterwards.
 (`tests/e2e/test_lora_tree.py` runs namespace attacks against `--radix-cache-backend multilora`.)
 """
 
@@ -20,10 +21,11 @@ import requests
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from eval.attacks import cache_attacks, crash_inputs, lora_paths_id, run_attack, tenant_attacks
+from eval.security.attacks import cache_attacks, crash_inputs, lora_paths_id, tenant_attacks
+from eval.security.run import run_attack
 from sgl_multilora.adapters import read_spec
 from tests.conftest import ADAPTERS_DIR
-from tests.oracle import assert_matches
+from tests.oracle import assert_matches, logprob_fields
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +48,13 @@ def generate(server, input_ids, lora=None, max_new_tokens=MAX_NEW_TOKENS, **extr
     return post(server, "/generate", body)
 
 
+def generate_checked(server, input_ids, lora=None) -> requests.Response:
+    """MAX_NEW_TOKENS greedy tokens past any EOS, with the logprobs the oracle compares."""
+    body = {"input_ids": input_ids, "lora_path": lora, **logprob_fields(),
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    return post(server, "/generate", body)
+
+
 def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)
@@ -64,15 +73,15 @@ def innocents(tokenizer, oracle, manifest):
     out = []
     for lora, q in ((None, "What do bees make?"), (VICTIM, "Name a large animal."), (OTHER, "What do bees make?")):
         ids = chat(tokenizer, q)
-        out.append((lora, ids, oracle.greedy(paths[lora] if lora else None, ids, MAX_NEW_TOKENS)))
+        out.append((lora, ids, oracle.greedy(paths[lora] if lora else None, ids, MAX_NEW_TOKENS, ignore_eos=True)))
     return out
 
 
 def check_innocent(server, case) -> None:
     lora, ids, expected = case
-    response = generate(server, ids, lora)
+    response = generate_checked(server, ids, lora)
     assert response.status_code == 200, response.text
-    assert_matches(response.json()["output_ids"], expected, f"innocent {lora or 'base'}")
+    assert_matches(response.json(), expected, f"innocent {lora or 'base'}")
 
 
 def test_cache_attacks_read_no_cached_kv(server, tokenizer):
@@ -133,42 +142,71 @@ def test_crash_inputs_get_400_while_innocent_requests_complete(server, tokenizer
         check_innocent(server, case)
 
 
-def test_load_and_unload_racing_with_traffic(server, tokenizer, manifest, innocents, oracle, tmp_path):
+def test_load_and_unload_racing_with_traffic(server, tokenizer, innocents, oracle, tmp_path):
+    """Two clients ask for adapter "racer" back to back while it is unloaded and loaded again three times; each
+    unload waits until a client got an answer from the loaded adapter, so every cycle has requests before, during
+    and after the unload. Some answers are PEFT's output for the adapter (at least one per cycle), every other is a
+    400 naming it, none is a 5xx; at least one request was in flight during an unload; innocent traffic stays
+    right. (SGLang itself loads a known adapter again when a request names it, so a load may find it loaded.)"""
     path = str(tmp_path / "racer")
     shutil.copytree(ADAPTERS_DIR / "bullets", path)
     ids = chat(tokenizer, "What do bees make?")
-    expected = oracle.greedy(path, ids, MAX_NEW_TOKENS)
+    expected = oracle.greedy(path, ids, MAX_NEW_TOKENS, ignore_eos=True)
     stop = threading.Event()
-    admin, racer_answers = [], []
+    admin: list[tuple[str, int, str]] = []
+    unloads: list[tuple[float, float]] = []
+    answers: list[tuple[float, float, requests.Response]] = []
+
+    def num_served() -> int:
+        return sum(r.status_code == 200 for _, _, r in list(answers))
 
     def churn():
-        for _ in range(3):
-            admin.append(post(server, "/load_lora_adapter", {"lora_name": "racer", "lora_path": path}).status_code)
-            time.sleep(0.3)
-            admin.append(post(server, "/unload_lora_adapter", {"lora_name": "racer"}).status_code)
-        stop.set()
+        try:
+            for _ in range(3):
+                served_before, deadline = num_served(), time.monotonic() + 120
+                while num_served() == served_before and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                start = time.monotonic()
+                response = post(server, "/unload_lora_adapter", {"lora_name": "racer"})
+                unloads.append((start, time.monotonic()))
+                admin.append(("unload", response.status_code, response.text))
+                time.sleep(0.2)
+                response = post(server, "/load_lora_adapter", {"lora_name": "racer", "lora_path": path})
+                admin.append(("load", response.status_code, response.text))
+        finally:
+            stop.set()
 
     def use_racer():
         while not stop.is_set():
-            racer_answers.append(generate(server, ids, "racer"))
+            start = time.monotonic()
+            response = generate_checked(server, ids, "racer")
+            answers.append((start, time.monotonic(), response))
 
+    response = post(server, "/load_lora_adapter", {"lora_name": "racer", "lora_path": path})
+    assert response.status_code == 200, response.text
     with ThreadPoolExecutor(4) as pool:
-        churner = pool.submit(churn)
         users = [pool.submit(use_racer) for _ in range(2)]
+        churner = pool.submit(churn)
         for case in innocents:
             check_innocent(server, case)
         churner.result()
         for u in users:
             u.result()
-    assert server.alive()
-    assert set(admin) <= {200, 400}, admin
-    assert racer_answers
-    for response in racer_answers:  # the adapter it asked for, or a clear error naming it; never 5xx
-        if response.status_code == 200:
-            assert_matches(response.json()["output_ids"], expected, "racer")
-        else:
-            assert response.status_code == 400 and "racer" in response.text, response.text
     post(server, "/unload_lora_adapter", {"lora_name": "racer"})
+    assert server.alive()
+    unload_statuses = [status for kind, status, _ in admin if kind == "unload"]
+    assert unload_statuses == [200, 200, 200], admin  # each cycle began with the adapter loaded and in use
+    for kind, status, text in admin:  # a load may race SGLang's own re-load of the adapter
+        assert status == 200 or (status == 400 and "already loaded" in text), (kind, status, text)
+    served = [r for _, _, r in answers if r.status_code == 200]
+    refused = [r for _, _, r in answers if r.status_code != 200]
+    assert len(served) >= 3, [(r.status_code, r.text[:200]) for _, _, r in answers]
+    for response in served:
+        assert_matches(response.json(), expected, "racer")
+    for response in refused:  # a clear error naming the adapter; never 5xx
+        assert response.status_code == 400 and "racer" in response.text, (response.status_code, response.text)
+    overlapping = [r for s, e, r in answers for us, ue in unloads if s < ue and e > us]
+    assert overlapping, f"no request was in flight during an unload: answers {len(answers)}, unloads {unloads}"
 
 
 def test_changed_weights_under_an_old_name_start_cold(server, tokenizer, tmp_path):

@@ -1,8 +1,13 @@
 """End to end with `--radix-cache-backend multilora`: aLoRA checks reuse the base model's prefix KV, standard LoRAs
-never see another adapter's or the base model's KV, crafted namespaces reach nothing, and outputs equal PEFT's."""
+never see another adapter's or the base model's KV, crafted namespaces reach nothing, outputs equal PEFT's (tokens,
+logprobs and top-5, MAX_NEW_TOKENS past any EOS), and the tree's sizes count exactly the tokens cached.
+
+The aLoRAs are the two bundled ones (q/k/v) and a random one made here with PEFT on every attention and MLP
+projection, loaded at run time."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,11 +15,12 @@ import pytest
 import requests
 
 from tests.conftest import TREE_CHUNK as CHUNK
-from tests.oracle import assert_matches
+from tests.oracle import assert_matches, assert_shift_rejected, logprob_fields
 
 pytestmark = pytest.mark.e2e
 
-MAX_NEW_TOKENS = 6
+MAX_NEW_TOKENS = 12  # compared with PEFT (past EOS: an aLoRA's label and EOS come first)
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +32,25 @@ def post(server, body: dict) -> requests.Response:
     return requests.post(server.url + "/generate", json=body, timeout=300)
 
 
-def generate(server, input_ids, lora=None, max_new_tokens=MAX_NEW_TOKENS, **extra) -> dict:
+def generate(server, input_ids, lora=None, max_new_tokens=2, **extra) -> dict:
     body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
             "lora_path": lora, **extra}
     response = post(server, body)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def generate_checked(server, input_ids, lora=None, **extra) -> dict:
+    """MAX_NEW_TOKENS greedy tokens past any EOS, with the logprobs the oracle compares."""
+    body = {"input_ids": input_ids, "lora_path": lora, **logprob_fields(), **extra,
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    response = post(server, body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def peft(oracle, entry, ids):
+    return oracle.greedy(entry and entry["path"], ids, MAX_NEW_TOKENS, ignore_eos=True)
 
 
 def context(tokenizer, question: str, answer: str) -> list[int]:
@@ -48,10 +67,35 @@ def stats(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def aloras(manifest):
+def random_alora(server, model_path, tokenizer, tmp_path_factory):
+    """A random aLoRA (fixed seed, `init_lora_weights=False`) on every projection, invoked by a three-token
+    "<|im_start|>verify\n"; loaded at run time and unloaded after the module."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    invocation = "<|im_start|>verify\n"
+    path = tmp_path_factory.mktemp("random_alora") / "verify"
+    torch.manual_seed(1)
+    config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, task_type="CAUSAL_LM", target_modules=ATTN_MLP,
+                        alora_invocation_tokens=tokenizer(invocation, add_special_tokens=False).input_ids)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    get_peft_model(base, config).save_pretrained(str(path))
+    response = post_admin(server, "/load_lora_adapter", {"lora_name": "verify", "lora_path": str(path)})
+    assert response.status_code == 200, response.text
+    yield {"name": "verify", "kind": "alora", "path": str(path), "invocation_text": invocation}
+    post_admin(server, "/unload_lora_adapter", {"lora_name": "verify"})
+
+
+def post_admin(server, path: str, body: dict) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aloras(manifest, random_alora):
     entries = [e for e in manifest if e["kind"] == "alora"]
     assert len(entries) >= 2, "the bundled adapters include at least two aLoRAs"
-    return entries
+    return [*entries, random_alora]
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +112,12 @@ def test_alora_check_reuses_the_base_prefix_and_matches_peft(server, tokenizer, 
     for entry in aloras:
         prompt = ctx + invocation_ids(tokenizer, entry)
         k = len(ctx)  # the invocation starts right after the context
-        out = generate(server, prompt, entry["name"])
+        out = generate_checked(server, prompt, entry["name"])
         assert out["meta_info"]["cached_tokens"] >= k, (entry["name"], out["meta_info"], k)
-        assert_matches(out["output_ids"], oracle.greedy(entry["path"], prompt, MAX_NEW_TOKENS), entry["name"])
-        again = generate(server, prompt, entry["name"])  # now its own suffix is cached too
+        assert_matches(out, peft(oracle, entry, prompt), entry["name"])
+        again = generate_checked(server, prompt, entry["name"])  # now its own suffix is cached too
         assert again["meta_info"]["cached_tokens"] == len(prompt) - 1
-        assert again["output_ids"] == out["output_ids"]
+        assert_matches(again, peft(oracle, entry, prompt), f"{entry['name']} on its cached suffix")
     after = stats(server)
     assert after["hit_tokens"]["alora_base_prefix"] - before["hit_tokens"]["alora_base_prefix"] >= len(aloras) * k
     assert after["hit_tokens"]["alora_suffix"] > before["hit_tokens"]["alora_suffix"]
@@ -83,9 +127,10 @@ def test_alora_without_a_cached_prefix_matches_peft(server, tokenizer, oracle, a
     for entry in aloras:
         ctx = context(tokenizer, f"What is special about {entry['name']}?", "NOTHING AT ALL, REALLY.")
         prompt = ctx + invocation_ids(tokenizer, entry)
-        out = generate(server, prompt, entry["name"])
+        out = generate_checked(server, prompt, entry["name"])
         assert out["meta_info"]["cached_tokens"] < len(ctx) - 10  # at most the shared system prompt
-        assert_matches(out["output_ids"], oracle.greedy(entry["path"], prompt, MAX_NEW_TOKENS), entry["name"])
+        assert_matches(out, peft(oracle, entry, prompt), entry["name"])
+        assert_shift_rejected(out, oracle, entry["path"], prompt, MAX_NEW_TOKENS, entry["name"])
 
 
 def test_two_alora_checks_share_the_prefix_but_not_their_suffixes(server, tokenizer, aloras):
@@ -112,10 +157,9 @@ def test_alora_k_near_a_chunked_prefill_boundary_in_a_mixed_batch(server, tokeni
         (lora, words[: 2 * CHUNK - 5]),
     ]
     with ThreadPoolExecutor(max_workers=len(requests_)) as pool:
-        outs = list(pool.map(lambda r: generate(server, r[1], r[0] and r[0]["name"]), requests_))
+        outs = list(pool.map(lambda r: generate_checked(server, r[1], r[0] and r[0]["name"]), requests_))
     for (entry, ids), out in zip(requests_, outs):
-        expected = oracle.greedy(entry and entry["path"], ids, MAX_NEW_TOKENS)
-        assert_matches(out["output_ids"], expected, f"{entry and entry['name']} chunk={CHUNK} offset={offset}")
+        assert_matches(out, peft(oracle, entry, ids), f"{entry and entry['name']} chunk={CHUNK} offset={offset}")
 
 
 def test_standard_lora_never_reads_base_kv(server, tokenizer, lora):
@@ -156,7 +200,39 @@ def test_alora_request_without_invocation_is_a_400(server, tokenizer, aloras):
     assert generate(server, ids, None, max_new_tokens=1)["output_ids"]  # the server goes on
 
 
-def test_stats_endpoint_reports_tree(server):
+def wait_idle(server) -> tuple[dict, dict]:
+    """(tree stats, KV memory) of the scheduler once no request runs or waits."""
+    deadline = time.time() + 60
+    while True:
+        body = requests.get(server.url + "/multilora/stats", timeout=60).json()
+        memory = body["memory"][0]
+        if memory["running"] == memory["waiting"] == 0 or time.time() > deadline:
+            return body["schedulers"][0], memory
+        time.sleep(0.2)
+
+
+def test_tree_sizes_count_the_cached_tokens(server, tokenizer):
+    """The tree's counts equal the tokens cached, counted from the requests and from the KV allocator: after a
+    flush, a finished request of n prompt and m generated tokens leaves n + m - 1 tokens (the last token's KV is
+    never computed) in two KV nodes (its prompt, cached when its prefill ends, and below it the generated tokens,
+    cached when it finishes); a request sharing the first p tokens splits the prompt node there and adds its own two
+    nodes with its other tokens (five nodes); when idle nothing is locked and the allocator's used slots are exactly
+    the tree's tokens."""
+    assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
+    words = "Tree size test: one two three four five six seven eight nine ten " * 3
+    first = tokenizer(words, add_special_tokens=False).input_ids
+    p, m = 20, 5
+    second = first[:p] + tokenizer(" and then something else entirely", add_special_tokens=False).input_ids
+    sizes = []
+    for ids in (first, second):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": m, "temperature": 0, "ignore_eos": True}}
+        response = post(server, body)
+        assert response.status_code == 200 and len(response.json()["output_ids"]) == m, response.text
+        tree, memory = wait_idle(server)
+        sizes.append((tree["num_kv_nodes"], tree["total_len"]))
+        assert tree["protected_len"] == 0 and tree["evictable_len"] == tree["total_len"], tree
+        assert memory["total"] - memory["free"] == tree["total_len"], (memory, tree)
+    assert second[:p] == first[:p] and second[p] != first[p]
+    assert sizes == [(2, len(first) + m - 1), (5, len(first) + m - 1 + len(second) + m - 1 - p)], sizes
     s = stats(server)
-    assert s["num_kv_nodes"] > 0 and s["total_len"] == s["evictable_len"] + s["protected_len"]
     assert set(s["hits"]) == {"base", "same_adapter", "alora_base_prefix", "alora_suffix"}

@@ -1,7 +1,10 @@
 """End to end: one real CPU SGLang server with the plugin and every bundled adapter; PEFT is the oracle.
 
-For the base model and each adapter, greedy outputs over five prompts equal PEFT's token for token (up to a reported
-near tie), sent one by one and all at once (so batches mix adapters); the OpenAI API reaches the same adapters;
+For the base model and each adapter, greedy outputs over five prompts equal PEFT's token for token, with every
+token's logprob and top-5 (`tests/oracle.py`), sent one by one and all at once (so batches mix adapters). Outputs run
+MAX_NEW_TOKENS tokens past any EOS (`ignore_eos`, in PEFT too): an aLoRA answers a label and `<|im_end|>`, and the
+tokens after them, still computed with the adapter active from its invocation on, keep testing its activation start,
+which a shifted PEFT oracle shows (it rejects the served outputs). The OpenAI API reaches the same adapters;
 `/load_lora_adapter` and `/unload_lora_adapter` keep working; bad input gets a clear 400 and the server goes on.
 """
 
@@ -15,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.oracle import assert_matches
+from tests.oracle import TOP_K, assert_matches, assert_shift_rejected, logprob_fields, served_from
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +47,12 @@ def chat_ids(tokenizer, question: str, answer: str | None = None, invocation: st
 
 
 def generate(server, input_ids: list[int], lora: str | None, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
+    """Greedy, past EOS, with the logprobs the oracle compares."""
     body = {
         "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
         "lora_path": lora,
+        **logprob_fields(),
     }
     response = requests.post(server.url + "/generate", json=body, timeout=300)
     assert response.status_code == 200, response.text
@@ -73,53 +78,83 @@ def cases(manifest, tokenizer):
 
 @pytest.fixture(scope="module")
 def expected(cases, oracle):
-    return [oracle.greedy(path, ids, MAX_NEW_TOKENS) for _, path, ids in cases]
+    return [oracle.greedy(path, ids, MAX_NEW_TOKENS, ignore_eos=True) for _, path, ids in cases]
 
 
-def test_every_adapter_matches_peft_sequentially(server, cases, expected):
-    for (name, _, ids), oracle_out in zip(cases, expected):
-        served = generate(server, ids, name)["output_ids"]
-        assert_matches(served, oracle_out, f"{name or 'base'} {ids[-8:]}")
+@pytest.fixture(scope="module")
+def sequential(server, cases) -> list[dict]:
+    """The server's answer to each case, sent one at a time."""
+    return [generate(server, ids, name) for name, _, ids in cases]
+
+
+def test_every_adapter_matches_peft_sequentially(cases, expected, sequential):
+    for (name, _, ids), oracle_out, result in zip(cases, expected, sequential):
+        assert_matches(result, oracle_out, f"{name or 'base'} {ids[-8:]}")
 
 
 def test_mixed_adapter_batches_match_peft(server, cases, expected):
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
         results = list(pool.map(lambda c: generate(server, c[2], c[0]), cases))
     for (name, _, ids), oracle_out, result in zip(cases, expected, results):
-        assert_matches(result["output_ids"], oracle_out, f"{name or 'base'} (concurrent)")
+        assert_matches(result, oracle_out, f"{name or 'base'} {ids[-8:]} (concurrent)")
     # The batches really mixed requests: the scheduler logged a prefill batch of several sequences.
     new_seqs = [int(n) for n in re.findall(r"Prefill batch, #new-seq: (\d+)", server.log_tail(1_000_000))]
     assert max(new_seqs) > 1, "no prefill batch held more than one request"
 
 
-def test_adapters_change_the_output(server, cases, expected):
-    """Guards the oracle comparison itself: every LoRA adapter answers some prompt unlike the base model."""
-    base = {tuple(ids): out.tokens for (name, _, ids), out in zip(cases, expected) if name is None}
+def test_adapters_change_the_output(cases, expected, oracle):
+    """Guards the oracle comparison itself: every adapter, aLoRAs included, answers some prompt unlike the base
+    model (for an aLoRA: the base model's continuation of the same prompt, invocation and all)."""
     differs: dict[str, bool] = {}
     for (name, _, ids), out in zip(cases, expected):
-        if name is not None and tuple(ids) in base:
-            differs[name] = differs.get(name, False) or out.tokens != base[tuple(ids)]
-    assert differs and all(differs.values()), f"adapters answering exactly as the base model: {differs}"
+        if name is not None:
+            base = oracle.greedy(None, ids, MAX_NEW_TOKENS, ignore_eos=True)
+            differs[name] = differs.get(name, False) or out.tokens != base.tokens
+    assert differs.keys() == {name for name, _, _ in cases if name} and all(differs.values()), (
+        f"adapters answering exactly as the base model: {differs}")
 
 
-def test_openai_model_suffix_selects_adapter(server, manifest, tokenizer, oracle):
-    entry = next(e for e in manifest if e["kind"] == "lora")
+def test_oracle_rejects_a_shifted_activation_start(cases, oracle, sequential):
+    """Guards the aLoRA comparisons: PEFT with the activation start one position early or late rejects every served
+    aLoRA answer that the right start accepts, so a server that got the start wrong by one would fail these tests."""
+    checked = 0
+    for (name, path, ids), result in zip(cases, sequential):
+        if path is not None and oracle.activation_start(path, ids) is not None:
+            assert_shift_rejected(result, oracle, path, ids, MAX_NEW_TOKENS, f"{name} {ids[-8:]}")
+            checked += 1
+    assert checked == 2 * len(QUESTIONS), checked
+
+
+@pytest.mark.parametrize("lora", ["caps", "json"])
+def test_openai_model_suffix_selects_adapter(server, manifest, tokenizer, oracle, lora):
+    """`model="base:adapter"` in the OpenAI chat API: the answer's token ids, logprobs and top-5 equal PEFT's for
+    that adapter (read from the response's meta_info, which has ids), the OpenAI `logprobs` field carries the same
+    values, and the text is their decoding up to PEFT's EOS (no ignore_eos here: the answer stops where PEFT's does)."""
+    entry = next(e for e in manifest if e["name"] == lora)
     question = QUESTIONS[0]
     body = {
         "model": f"default:{entry['name']}",
         "messages": [{"role": "user", "content": question}],
         "max_tokens": MAX_NEW_TOKENS,
         "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": TOP_K,
+        "return_token_ids": True,
+        "return_meta_info": True,
     }
     response = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
-    text = response.json()["choices"][0]["message"]["content"]
+    choice = response.json()["choices"][0]
+    served = served_from(choice)
     expected = oracle.greedy(entry["path"], chat_ids(tokenizer, question), MAX_NEW_TOKENS)
-    expected_text = tokenizer.decode(
-        [t for t in expected.tokens if t != tokenizer.eos_token_id], skip_special_tokens=True
-    )
-    if min(expected.top2_gaps) >= 1e-4:
-        assert text.strip() == expected_text.strip()
+    assert assert_matches(served, expected, f"OpenAI model=default:{lora}") is None
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == served.logprobs
+    assert [c["token"] for c in content] == [tokenizer.decode([t]) for t in served.tokens]
+    assert choice["response_token_ids"] == served.tokens[: len(choice["response_token_ids"])]
+    assert choice["finish_reason"] == ("stop" if expected.stopped_at_eos else "length"), choice["finish_reason"]
+    end = len(expected.tokens) - 1 if expected.stopped_at_eos else len(expected.tokens)
+    assert choice["message"]["content"] == tokenizer.decode(expected.tokens[:end], skip_special_tokens=True)
 
 
 def _load(server, name: str, path: str) -> requests.Response:
@@ -129,16 +164,15 @@ def _load(server, name: str, path: str) -> requests.Response:
 def test_load_and_unload_adapter_at_runtime(server, manifest, tokenizer, oracle):
     entry = next(e for e in manifest if e["kind"] == "lora")
     ids = chat_ids(tokenizer, QUESTIONS[1])
+    expected = oracle.greedy(entry["path"], ids, MAX_NEW_TOKENS, ignore_eos=True)
     response = _load(server, "runtime_copy", entry["path"])
     assert response.status_code == 200, response.text
-    served = generate(server, ids, "runtime_copy")["output_ids"]
-    assert_matches(served, oracle.greedy(entry["path"], ids, MAX_NEW_TOKENS), "runtime-loaded adapter")
+    assert_matches(generate(server, ids, "runtime_copy"), expected, "runtime-loaded adapter")
     response = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "runtime_copy"}, timeout=120)
     assert response.status_code == 200, response.text
     assert "runtime_copy" not in response.json().get("loaded_adapters", {}), response.text
     # SGLang re-loads an unloaded adapter it has seen before when a request names it again; its output is unchanged.
-    served = generate(server, ids, "runtime_copy")["output_ids"]
-    assert_matches(served, oracle.greedy(entry["path"], ids, MAX_NEW_TOKENS), "re-loaded adapter")
+    assert_matches(generate(server, ids, "runtime_copy"), expected, "re-loaded adapter")
 
 
 def _bad_adapter(tmp_path, manifest, edit) -> str:

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from eval import harness
-from eval.driver import Target, replay
+from eval.live import harness
+from eval.live.driver import Target, replay
 from eval.workloads import create_workload
 from sgl_multilora.server import free_port
 from tests.conftest import ADAPTERS_DIR

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from eval.report import load_results, peak_load, ratios, summarize, write_report
-from eval.requests import RequestResult
+from eval.live.report import load_results, peak_load, ratios, summarize, write_report
+from eval.workloads.records import RequestResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from eval.requests import AdapterInfo, Request
 from eval.sim.engine import SimConfig, simulate
 from eval.sim.latency import LatencyModel
-from eval.sim.memory import MemoryPool, pool_bytes
-from eval.sim.systems.base import NS
+from eval.sim.memory import pool_bytes
+from eval.sim.systems.request import NS
 from eval.workloads.chatbot import ChatbotParams, generate
+from eval.workloads.records import AdapterInfo, Request
+from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
 from sgl_multilora.tree_nodes import NodeKind
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,17 +66,28 @@ def test_adapter_sizes_and_copies_match_published_figures():
     assert pool_bytes(LAT) == int(81_559 * 2**20 * 0.88) - 16_060_000_000
 
 
-def test_memory_pool_checks_first():
-    pool = MemoryPool({"all": 100})
-    pool.alloc("all", "kv_running", 60)
-    pool.move("all", "kv_running", "kv_cached", 20)
-    assert pool.by_kind() == {"adapter": 0, "kv_cached": 20, "kv_running": 40, "in_flight": 0, "free": 40}
-    assert not pool.fits("all", 41)
-    with pytest.raises(AssertionError, match="call fits"):
-        pool.alloc("all", "adapter", 41)
-    with pytest.raises(AssertionError, match="only 20 B"):
-        pool.free("all", "kv_cached", 21)
-    pool.check_invariants()
+def test_systems_count_memory_in_core_pool_slots():
+    """Every area is a core pool of token-sized slots (counts only); adapters take their own size in slots,
+    rounded up, except in the SGLang-like system, which pads every adapter to the largest."""
+    from eval.sim.systems import create_system
+
+    ads = (AdapterInfo("small", 3, target_modules=("q_proj", "v_proj")), AdapterInfo("big", 64, "lora", ALL))
+    total = 30_000 * KVB + 5  # rounded down to whole slots
+    small = 20  # rank 3 x (4096 + 4096 + 4096 + 1024) x 32 layers x 2 B = 19.5 slots of 128 KiB, rounded up
+    assert LAT.model.adapter_bytes(3, ("q_proj", "v_proj")) == 19.5 * KVB
+    ours = create_system("ours:elora", ads, LAT, total)
+    assert set(ours.pools) == {"all"} and isinstance(ours.kv_pool, UnifiedPool)
+    assert ours.kv_pool.num_slots == 30_000 and not ours.kv_pool.track_ids
+    assert ours.residency.entry("small").num_slots == small
+    assert ours.residency.entry("big").num_slots == 335_544_320 // KVB == 2560
+    vllm = create_system("vllm", ads, LAT, total)
+    assert {a: p.num_slots for a, p in vllm.pools.items()} == {"adapter": 6000, "kv": 24_000}
+    sglang = create_system("sglang", ads, LAT, total)
+    assert sglang.residency.entry("small").num_slots == 2560
+    assert {a: p.num_slots for a, p in sglang.pools.items()} == {"slots": 2 * 2560, "kv": 30_000 - 5120}
+    with pytest.raises(ExceedsPoolError, match="adapter 'big' needs 2560 slots .* holds 2000 slots"):
+        create_system("vllm", ads, LAT, 10_000 * KVB)  # 20% of 10k slots cannot hold 'big'
+
 
 
 # ---- timelines against hand computation ------------------------------------------------------------------
@@ -124,7 +136,7 @@ def test_alora_check_reads_base_prefix_only_in_ours():
 @pytest.mark.parametrize("arm", ARMS)
 def test_memory_accounting_exact_every_step(arm):
     ads, reqs = chat()
-    total = 500_000_000  # small enough to evict: ~3.8k tokens of KV
+    total = 3814 * KVB  # small enough to evict: ~3.8k tokens of KV (500 MB)
     run = simulate(arm, ads, reqs, config=SimConfig(check_every_step=True, pool_bytes=total))
     assert len(run.results) == len(reqs)
     for s in run.samples:  # every sample adds up, independently of the system's own checker
@@ -178,7 +190,7 @@ def _invalid_tokens_by_walk(system) -> int:
     ns_node = system.tree.namespace_node(NS)
     total = 0
     for identity, top in ns_node.children.items():
-        if identity is None or identity in system.resident:
+        if identity is None or system.residency.is_resident(identity):
             continue
         stack = list(top.children.values()) + list(top.dependents)
         while stack:
@@ -198,7 +210,7 @@ def test_dependency_tree_keeps_invalid_kv_at_zero_and_no_tree_does_not():
     assert _invalid_tokens_by_walk(ours.system) == 0
     for node in ours.system.tree.namespace_node(NS).children.values():  # adapter node <=> resident
         if node.kind is NodeKind.ADAPTER:
-            assert node.label.identity in ours.system.resident
+            assert ours.system.residency.is_resident(node.label.identity)
     assert max(s["invalid_kv"] for s in loose.samples) > 0 and loose.summary["invalid_kv_share"] > 0
     assert _invalid_tokens_by_walk(loose.system) * KVB == loose.system.invalid_kv_bytes()
 
@@ -219,20 +231,45 @@ def test_bad_input_is_named():
         simulate("ours:lru", ads, [req("big", 0.0, 5000, 10, "a")], config=SimConfig(pool_bytes=300_000_000))
 
 
+def _table_cell(md: str, row: str, column: int) -> str:
+    """Cell `column` (0 = the row's name) of the Markdown table row whose name is `row`."""
+    line = next(x for x in md.splitlines() if x.startswith(f"| {row} |"))
+    return line.strip("|").split("|")[column].strip()
+
+
 def test_compare_writes_results(tmp_path):
+    """A small sweep: the files hold every run, and the report's ratios and verdicts are the ones
+    its run records give (recomputed here from <out>_runs.jsonl, not by the report's code)."""
     from eval.sim.compare import main
+    from eval.sim.findings import ABLATION_NAMES, NEGLIGIBLE, ORDER_ONLY
 
     out = tmp_path / "sim_small"
     main(["--num-adapters", "4", "--rates", "1,2", "--window-s", "6", "--mean-new-tokens", "40",
           "--out", str(out)])
     md = (tmp_path / "sim_small.md").read_text()
-    assert "simulated" in md and "-45.7%" in md and "1.51x" in md and "1.42x" in md
     runs = [json.loads(line) for line in open(f"{out}_runs.jsonl")]
     assert len(runs) == 2 * 5 + 2 * 11 and all(r["device"].startswith("simulated") for r in runs)
+    ttft = {(r["setup"]["conversation_rate"], r["setup"]["arm"]): r["summary"]["ttft_mean_s"]
+            for r in runs}
+
+    ours_rates = [1.0, 2.0]
+    peak = max([r for r in ours_rates if ttft[(r, "ours:elora")] < 0.5] or [1.0])
+    reduction = sum(1 - ttft[(r, "ours:elora")] / ttft[(r, "vllm")] for r in ours_rates
+                    if r <= peak) / len([r for r in ours_rates if r <= peak])
+    assert _table_cell(md, "mean TTFT vs vLLM", 2) == f"{-100 * reduction:+.1f}%"
+    ratios = {arm: sum(ttft[(r, arm)] / ttft[(r, "ours:elora")] for r in ours_rates) / 2
+              for arm in ABLATION_NAMES if (1.0, arm) in ttft}
+    assert len(ratios) == 12
+    for arm, ratio in ratios.items():
+        assert _table_cell(md, f"{ABLATION_NAMES[arm]} TTFT", 2) == f"{ratio:.2f}x", arm
+    order_matters = any(abs(ratios[a] - 1) > NEGLIGIBLE for a in ORDER_ONLY)
+    assert ("**The eviction order matters.**" in md) == order_matters
+    assert ("**The eviction order barely matters here.**" in md) == (not order_matters)
+
     records = [json.loads(line) for line in open(f"{out}.jsonl")]
     assert records and {r["arm"] for r in records} == {"vllm", "slora", "sglang", "ours:elora"}
     assert all(r["extra"]["request_rate"] > 0 and 0 <= r["extra"]["hits"]["kv"] <= 1 for r in records)
-    total = runs[0]["setup"]["pool_bytes"]
+    total = runs[0]["setup"]["pool_slots"] * runs[0]["setup"]["slot_bytes"]
     for arm in ("vllm", "ours:elora"):
         memory = [r["extra"]["memory_bytes"] for r in records if r["arm"] == arm and "memory_bytes" in r["extra"]]
         assert memory and all(sum(m.values()) == total for m in memory)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eval.driver import ServedAdapter, ServerUnreachable, Target, replay
+from eval.live.driver import ServedAdapter, ServerUnreachable, Target, replay
 from eval.workloads import TraceError, create_workload
 from sgl_multilora.server import free_port
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_multilora.triton_kernels.layout import LoRAWeights, TokenLayout
+from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
+from sgl_multilora.triton_kernels.weights import LoRAWeights
 from tests.kernels.oracle import Problem, expected_output, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,7 @@ def test_llama3_8b_qkv_on_cuda(dtype, num_tokens, popularity):
                               ranks=[16, 64, 16, 64, 16, 64, 16, 64], popularity=popularity, dtype=dtype))
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
     y = p.y0.clone()
-    lora_forward(p.x, y, TokenLayout.build(p.token_slot, 8), weights, impl="triton")
+    lora_forward(p.x, y, SegmentMeta.build(p.token_slot, 8), weights, impl="triton")
     torch.testing.assert_close(y.double().cpu(), expected_output(_cpu(p)), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -50,16 +51,16 @@ def test_cuda_graph_replay_with_a_different_adapter_set():
     p = _to_cuda(make_problem(num_tokens=n, in_features=1024, slice_widths=[1024, 256, 256],
                               ranks=[16, 64, 8, 32], popularity="uniform", dtype=dtype))
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
-    layout = TokenLayout.make(n, slots, "cuda")
+    meta = SegmentMeta.make(n, slots, "cuda")
     x, y, t = p.x.clone(), p.y0.clone(), shrink_buffer(n, weights, torch.device("cuda"))
-    token_slot = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    token_slot = torch.full((n,), NO_ADAPTER, dtype=torch.int32, device="cuda")
 
     def step():
         y.copy_(p.y0)
-        lora_forward(x, y, layout, weights, impl="triton", t=t)
+        lora_forward(x, y, meta, weights, impl="triton", t=t)
 
     token_slot.copy_(torch.tensor([0, 1] * (n // 2), dtype=torch.int32))
-    layout.prepare(token_slot)
+    meta.prepare(token_slot)
     step()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -67,7 +68,7 @@ def test_cuda_graph_replay_with_a_different_adapter_set():
         step()
     for slots_now in ([2, 3] * (n // 2), [-1] * n, [3, -1, 0, 2] * (n // 4)):
         token_slot.copy_(torch.tensor(slots_now, dtype=torch.int32))
-        layout.prepare(token_slot)  # refilled in place on the device, outside the graph
+        meta.prepare(token_slot)  # refilled in place on the device, outside the graph
         graph.replay()
         torch.cuda.synchronize()
         p.token_slot = token_slot.clone()

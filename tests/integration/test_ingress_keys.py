@@ -1,7 +1,7 @@
 """Cache namespaces of real SGLang `Req`s in SGLang's own `RadixCache` and in ours, with the strict ingress hook.
 
 SGLang 0.5.23 keys a request's prefix by `extra_key + lora_id`, one string: a base request whose `extra_key` is an
-adapter's id shares that adapter's KV (checked here as the control). With `ingress.req_init` (the AFTER hook on
+adapter's id shares that adapter's KV (checked here as the control). With `ingress.req_init` (the AROUND hook on
 `Req.__init__`) two requests share cached KV exactly when their (client extra_key, cache_salt, adapter content
 identity) are equal: brute-force comparison of those triples is the oracle.
 """
@@ -22,10 +22,11 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from eval.attacks import cache_attacks
+from eval.security.attacks import cache_attacks
 from sgl_multilora.adapters import AdapterSpec
 from sgl_multilora.patches import ingress
 from sgl_multilora.patches.radix_backend import MultiLoRARadixCache
+from sgl_multilora.patches.state import process_state
 
 PROMPT = list(range(100, 164))
 VICTIM_ID, OTHER_ID = "0f" * 16, "a1" * 16
@@ -34,18 +35,23 @@ IDENTITIES = {VICTIM_ID: "identity-victim", OTHER_ID: "identity-other", "c3" * 1
 
 @pytest.fixture(autouse=True)
 def loaded_adapters():
-    for lora_id, identity in IDENTITIES.items():
-        ingress.remember_adapter(lora_id, identity)
+    """The adapters as the LoRA manager hooks register them in the process's adapter owner."""
+    registry = process_state().adapters
+    for i, (lora_id, identity) in enumerate(IDENTITIES.items()):
+        registry.add(lora_id, AdapterSpec(f"a{i}", "", identity, 8, 16.0, 2.0, ("q_proj",), None))
     yield
     for lora_id in IDENTITIES:
-        ingress.forget_adapter(lora_id)
+        registry.remove(lora_id)
 
 
 def make_req(rid: str, *, lora_id=None, extra_key=None, cache_salt=None, strict=True) -> Req:
-    req = Req(rid, "", array("q", PROMPT), SamplingParams(max_new_tokens=1), lora_id=lora_id, extra_key=extra_key,
-              cache_salt=cache_salt)
-    if strict:
-        ingress.req_init(None, req)
+    """A real `Req`, built through the strict ingress hook (AROUND `Req.__init__`) unless `strict` is off."""
+    args = (rid, "", array("q", PROMPT), SamplingParams(max_new_tokens=1))
+    kwargs = dict(lora_id=lora_id, extra_key=extra_key, cache_salt=cache_salt)
+    if not strict:
+        return Req(*args, **kwargs)
+    req = Req.__new__(Req)
+    ingress.req_init(Req.__init__, req, *args, **kwargs)
     return req
 
 
@@ -57,10 +63,8 @@ def stock_hit(cache: RadixCache, victim: Req, attacker: Req) -> int:
 
 
 def tree_cache() -> MultiLoRARadixCache:
-    specs = {lid: AdapterSpec(f"a{i}", "", identity, 8, 16.0, 2.0, ("q_proj",), None)
-             for i, (lid, identity) in enumerate(IDENTITIES.items())}
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
-    return MultiLoRARadixCache(params, model_id="m", lora_manager=SimpleNamespace(_sgl_multilora_specs=specs))
+    return MultiLoRARadixCache(params, model_id="m")
 
 
 def tree_hit(cache: MultiLoRARadixCache, victim: Req, attacker: Req) -> int:

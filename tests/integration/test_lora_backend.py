@@ -138,6 +138,7 @@ def test_sglang_layers_with_multilora_match_torch_math_and_torch_native(sglang_t
     assert type(ours).__name__ == "MultiLoRABackend"
     ours.impl = impl
     layers = _layers(ours, g)
+    metas = set()
     for mode, weight_indices, seq_lens in STEPS:
         token_slot = [w for w, n in zip(weight_indices, seq_lens) for _ in range(n)]
         x = torch.randn(len(token_slot), HIDDEN, generator=g)
@@ -147,12 +148,15 @@ def test_sglang_layers_with_multilora_match_torch_math_and_torch_native(sglang_t
             expected = _expected(layer, offsets, inp, token_slot)
             layer.lora_backend = ours
             ours.prepare_lora_batch(fb, weight_indices, RANKS, SCALINGS, use_cuda_graph=False)
+            ours.meta.check_invariants()
+            metas.add(id(ours.meta))
             got, _ = layer(inp)
             torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4, msg=f"{name} {mode}")
             layer.lora_backend = native
             native.prepare_lora_batch(fb, weight_indices, RANKS, SCALINGS, use_cuda_graph=False)
             stock, _ = layer(inp)
             torch.testing.assert_close(got, stock, atol=1e-4, rtol=1e-4, msg=f"{name} {mode} vs torch_native")
+    assert len(metas) == 1  # every eager step refilled the same preallocated layout
 
 
 def test_split_shrink_and_expand_calls_match_torch_math(sglang_tp1, no_pinning):
@@ -181,9 +185,12 @@ def test_decode_graph_buffers_refilled_with_another_adapter_set(sglang_tp1, no_p
     ours.impl = "triton"
     ours.init_decode_cuda_graph_batch_info(max_bs_in_cuda_graph=8, num_tokens_per_req=1)
     qkv, offsets = _layers(ours, g)["qkv"]
+    graph_meta = ours._graph["meta"]
     for weight_indices in ([2, 1, 3, 1, 2, 2], [0, 3, 0]):
         ours.prepare_lora_batch(_batch("decode", weight_indices, [1] * len(weight_indices)), weight_indices,
                                 RANKS, SCALINGS, use_cuda_graph=True)
+        assert ours.meta is graph_meta and graph_meta.num_tokens == 8 and graph_meta.padded
+        graph_meta.check_invariants()
         x = torch.randn(8, HIDDEN, generator=g)
         got, _ = qkv(x)
         token_slot = weight_indices + [0] * (8 - len(weight_indices))  # padding rows: no adapter

@@ -53,22 +53,52 @@ def test_hook_table_matches_installed_sglang():
     hook_table.check()
 
 
+def _point(target: str, params: tuple[str, ...]) -> hook_table.TouchPoint:
+    return hook_table.TouchPoint(target, hook_table.Kind.HOOK, "patches.cli:add_cli_args", params, "test",
+                                 hook_type="around")
+
+
 def test_missing_target_is_named():
-    spec = hook_table.HookSpec("sglang.srt.server_args.ServerArgs.no_such_method", "around", "cli:add_cli_args",
-                               (), "test")
     with pytest.raises(hook_table.IncompatibleSGLang, match="ServerArgs.no_such_method is missing"):
-        hook_table.check((spec,))
+        hook_table.check((_point("sglang.srt.server_args.ServerArgs.no_such_method", ()),))
 
 
 def test_changed_signature_is_named():
-    spec = hook_table.HookSpec("sglang.srt.server_args.ServerArgs.add_cli_args", "around", "cli:add_cli_args",
-                               ("parser", "extra_arg"), "test")
+    point = _point("sglang.srt.server_args.ServerArgs.add_cli_args", ("parser", "extra_arg"))
     with pytest.raises(hook_table.IncompatibleSGLang, match=r"add_cli_args has parameters \['parser'\]"):
-        hook_table.check((spec,))
+        hook_table.check((point,))
+
+
+def test_every_touch_point_names_code_that_exists():
+    """Each row's `impl` resolves, and every kind the table declares is installed by someone: hooks and registry
+    entries by `plugin.register`, the rest by the code each row names."""
+    for point in hook_table.TOUCH_POINTS:
+        assert callable(hook_table.resolve_impl(point.impl)), point
+    kinds = {point.kind for point in hook_table.TOUCH_POINTS}
+    assert kinds == set(hook_table.Kind), kinds - set(hook_table.Kind)
+
+
+def test_no_hook_module_reaches_into_sglang_outside_the_table():
+    """Every `sglang` symbol a patches/ module imports at top level is a row's target, one of its `also` symbols, or
+    SGLang's cache / LoRA-backend base API that the registered classes implement."""
+    import ast
+    from pathlib import Path
+
+    listed = {p for t in hook_table.TOUCH_POINTS for p in (t.target, *t.also)}
+    base_api = ("sglang.srt.mem_cache.", "sglang.srt.lora.backend.base_backend", "sglang.srt.lora.utils")
+    patches_dir = Path(hook_table.__file__).parent
+    for path in sorted(patches_dir.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang"):
+                for alias in node.names:
+                    symbol = f"{node.module}.{alias.name}"
+                    assert symbol.startswith(base_api) or any(s.startswith(symbol) for s in listed), (
+                        f"{path.name} imports {symbol}, which no row of the touch-point table names"
+                    )
 
 
 def test_register_refuses_another_sglang_version(monkeypatch, capsys):
-    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin.process_state(), "registered", False)
     monkeypatch.setattr(plugin, "version", lambda name: "0.5.22")
     with pytest.raises(SystemExit, match="supports sglang==0.5.23"):
         plugin.register()

@@ -1,7 +1,7 @@
 """Kernel tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU, in fp32 and fp16.
 
 The variable is set per test (monkeypatch), never for the process: the kernels are compiled by `triton.jit` on
-first launch in each mode (`triton_kernels/jit.py`), so SGLang's own Triton code in other test modules is unaffected.
+first launch in each mode (`sgl_multilora/triton_kernels/jit.py`), so SGLang's own Triton code in other test modules is unaffected.
 On a machine with CUDA these tests still run on CPU tensors in the interpreter; tests/gpu covers the compiled kernels.
 """
 

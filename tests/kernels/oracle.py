@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-NO_ADAPTER = -1
+from sgl_multilora.segments import NO_ADAPTER
+
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 

@@ -11,28 +11,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_multilora.triton_kernels.layout import NO_ADAPTER, LoRAWeights, TokenLayout
+from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward
 from sgl_multilora.triton_kernels.shrink import lora_shrink, lora_shrink_ref, shrink_config
+from sgl_multilora.triton_kernels.weights import LoRAWeights
 from tests.kernels.oracle import assert_close, expected_output, make_problem
 
 DTYPES = [torch.float32, torch.float16]
 
 
-def run_both(p, layout=None):
+def run_both(p, meta=None):
     """(triton result, reference result) for problem p."""
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
-    layout = layout or TokenLayout.build(p.token_slot, len(p.lora_a))
+    meta = meta or SegmentMeta.build(p.token_slot, len(p.lora_a))
     y_triton, y_ref = p.y0.clone(), p.y0.clone()
-    lora_forward(p.x, y_triton, layout, weights, impl="triton")
-    lora_forward(p.x, y_ref, layout, weights, impl="torch")
+    lora_forward(p.x, y_triton, meta, weights, impl="triton")
+    lora_forward(p.x, y_ref, meta, weights, impl="torch")
     return y_triton, y_ref
 
 
-def test_layout_groups_tokens_by_slot_as_documented():
-    layout = TokenLayout.build(torch.tensor([-1, 2, 0, -1, 2, 2], dtype=torch.int32), num_slots=3)
-    assert layout.seg_indptr.tolist() == [0, 1, 1, 4]
-    assert layout.sorted_token_ids[:4].tolist() == [2, 1, 4, 5]
+def test_layout_groups_tokens_by_slot():
+    meta = SegmentMeta.build(torch.tensor([-1, 2, 0, -1, 2, 2], dtype=torch.int32), num_slots=3)
+    assert meta.seg_indptr.tolist() == [0, 1, 1, 4]
+    assert meta.sorted_token_ids[:4].tolist() == [2, 1, 4, 5]
+    meta.check_invariants()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
@@ -96,11 +98,11 @@ def test_split_k_shrink_matches_reference():
     p = make_problem(num_tokens=8, in_features=96, slice_widths=[16, 16], ranks=[16, 8], popularity="uniform",
                      dtype=torch.float32)
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
-    layout = TokenLayout.build(p.token_slot, 2)
+    meta = SegmentMeta.build(p.token_slot, 2)
     t_split, t_ref = torch.zeros(8, 32), torch.zeros(8, 32)
     cfg = {**shrink_config(8, 96, 16), "SPLIT_K": 3, "BLOCK_K": 16}
-    lora_shrink(p.x, t_split, layout, weights, cfg)
-    lora_shrink_ref(p.x, t_ref, layout, weights)
+    lora_shrink(p.x, t_split, meta, weights, cfg)
+    lora_shrink_ref(p.x, t_ref, meta, weights)
     torch.testing.assert_close(t_split, t_ref, atol=1e-5, rtol=1e-5)
 
 
@@ -120,40 +122,59 @@ def test_sglang_stacked_buffers_read_only_each_slots_rank(dtype):
             a_buf[s, : n_sl * r] = a
             b_buf[s, :, :r] = b
     weights = LoRAWeights.from_stacked(a_buf, b_buf, offs, ranks, p.scalings)
-    layout = TokenLayout.build(p.token_slot, 4)
+    meta = SegmentMeta.build(p.token_slot, 4)
     expected = expected_output(p)
     for impl in ("triton", "torch"):
         y = p.y0.clone()
-        lora_forward(p.x, y, layout, weights, impl=impl)
+        lora_forward(p.x, y, meta, weights, impl=impl)
         assert_close(y, expected)
 
 
 def test_fixed_capacity_layout_refilled_with_another_adapter_set():
     """The CUDA-graph pattern: buffers and launch grid fixed, contents refilled; the second step's adapters differ."""
-    layout = TokenLayout.make(max_tokens=16, num_slots=4, device="cpu")
+    meta = SegmentMeta.make(max_tokens=16, num_slots=4, device="cpu")
     for seed, popularity in ((1, "identical"), (2, "distinct")):
         p = make_problem(num_tokens=16, in_features=32, slice_widths=[32, 16], ranks=[8, 16, 8, 16],
                          popularity=popularity, dtype=torch.float32, seed=seed)
-        layout.prepare(p.token_slot)
-        y_triton, _ = run_both(p, layout)
+        meta.prepare(p.token_slot)
+        meta.check_invariants()
+        y_triton, _ = run_both(p, meta)
         assert_close(y_triton, expected_output(p))
+
+
+def test_padded_layout_serves_fewer_rows():
+    """A CUDA graph captured for 8 rows serves a batch of 5: rows past the batch are NO_ADAPTER."""
+    p = make_problem(num_tokens=5, in_features=32, slice_widths=[32], ranks=[8, 16], popularity="uniform",
+                     dtype=torch.float32, base_fraction=0.0)
+    meta = SegmentMeta.make(max_tokens=8, num_slots=2, device="cpu")
+    padded = torch.full((8,), NO_ADAPTER, dtype=torch.int32)
+    padded[:5] = p.token_slot
+    meta.prepare(padded, padded=True)
+    y_triton, y_ref = run_both(p, meta)
+    assert_close(y_triton, expected_output(p))
+    assert_close(y_ref, expected_output(p))
+    meta.prepare(padded)  # not padded: the rows must match exactly
+    with pytest.raises(ValueError, match="x has 5 rows"):
+        run_both(p, meta)
 
 
 def test_bad_inputs_are_named():
     p = make_problem(num_tokens=4, in_features=32, slice_widths=[32], ranks=[8], popularity="uniform",
                      dtype=torch.float32)
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
-    layout = TokenLayout.build(p.token_slot, 1)
+    meta = SegmentMeta.build(p.token_slot, 1)
     with pytest.raises(ValueError, match="token 2 has slot 5"):
-        TokenLayout.build(torch.tensor([0, -1, 5, 0], dtype=torch.int32), num_slots=1)
+        SegmentMeta.build(torch.tensor([0, -1, 5, 0], dtype=torch.int32), num_slots=1)
     with pytest.raises(ValueError, match="x has 3 rows"):
-        lora_forward(p.x[:3], p.y0[:3], layout, weights, impl="triton")
+        lora_forward(p.x[:3], p.y0[:3], meta, weights, impl="triton")
     with pytest.raises(ValueError, match="x is torch.float16"):
-        lora_forward(p.x.half(), p.y0, layout, weights, impl="triton")
+        lora_forward(p.x.half(), p.y0, meta, weights, impl="triton")
+    with pytest.raises(ValueError, match="the layout has 2 slots, the weights 1"):
+        lora_forward(p.x, p.y0, SegmentMeta.build(p.token_slot, 2), weights, impl="torch")
     with pytest.raises(ValueError, match=r"lora_b\[0\] has shape"):
         LoRAWeights.from_list(p.lora_a, [p.lora_b[0][:, :4]], p.scalings, p.slice_offsets)
     with pytest.raises(ValueError, match="unknown LoRA op implementation 'cuda'"):
-        lora_forward(p.x, p.y0, layout, weights, impl="cuda")
+        lora_forward(p.x, p.y0, meta, weights, impl="cuda")
 
 
 def test_kernels_compile_for_a_hopper_gpu_without_one(monkeypatch):

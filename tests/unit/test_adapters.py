@@ -71,7 +71,7 @@ def test_identity_is_content_not_name(tmp_path):
         (lambda p: (p / "adapter_config.json").write_text('{"r": 0, "target_modules": ["q_proj"]}'), "'r'"),
         (lambda p: (p / "adapter_config.json").write_text(
             '{"peft_type": "IA3", "r": 2, "target_modules": ["q_proj"]}'), "peft_type 'IA3'"),
-        (lambda p: (p / "adapter_model.safetensors").write_bytes(b"garbage"), "cannot be read"),
+        (lambda p: (p / "adapter_model.safetensors").write_bytes(b"garbage"), "is not a readable safetensors file"),
     ],
 )
 def test_malformed_adapter_names_the_problem(tmp_path, mutate, message):

@@ -66,4 +66,4 @@ def test_exported_flags_reach_spawned_processes(monkeypatch):
         assert got == flags.MultiLoRAArgs(lora_compute="sglang")
     finally:
         monkeypatch.delenv(flags.ENV_VAR, raising=False)
-        flags._cache.clear()
+        assert flags.current() == flags.MultiLoRAArgs()  # defaults again once the variable is gone

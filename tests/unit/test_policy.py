@@ -1,4 +1,5 @@
-"""Eviction policies against hand-computed values of their formulas, and as the tree's score function."""
+"""Eviction policies against hand-computed values of their formulas, and as the tree's score
+function."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class FixedContext:
         return item.adapter
 
     def size_bytes(self, item):
-        return item.size
+        return item.size_bytes
 
     def reload_cost_s(self, item):
         return item.cost
@@ -63,11 +64,12 @@ class FixedContext:
 
 
 class Item:
-    def __init__(self, adapter=False, size=32 * MiB, cost=0.032, visits=3.0, last_access=0.0):
-        self.adapter, self.size, self.cost, self.visits, self.last_access = adapter, size, cost, visits, last_access
+    def __init__(self, adapter=False, size_bytes=32 * MiB, cost=0.032, visits=3.0, last_access=0.0):
+        self.adapter, self.size_bytes, self.cost = adapter, size_bytes, cost
+        self.visits, self.last_access = visits, last_access
 
 
-# ---- Low_lora (Eq. 3) ----------------------------------------------------------------------------------
+# ---- Low_lora (Eq. 3) ----------------------------------------------------------------------------
 
 def test_low_lora_hand_computed():
     # 1 - 0.5^2 = 0.75; 1 - 0.75^2 = 0.4375, twice
@@ -77,22 +79,26 @@ def test_low_lora_hand_computed():
         expected_adapters_per_batch([1.5], 2)
 
 
-@pytest.mark.parametrize("batch,published", [(8, 7.7), (32, 27.5), (64, 47.4), (128, 72.4), (256, 92.4)])
+@pytest.mark.parametrize("batch,published",
+                         [(8, 7.7), (32, 27.5), (64, 47.4), (128, 72.4), (256, 92.4)])
 def test_low_lora_matches_perf_anchors_table(batch, published):
-    # shared/reference/perf-anchors.md 6.3: expected distinct adapters, uniform popularity over 100 adapters
+    # shared/reference/perf-anchors.md 6.3: expected distinct adapters, uniform popularity over
+    # 100 adapters
     assert expected_adapters_per_batch([0.01] * 100, batch) == pytest.approx(published, abs=0.05)
 
 
-# ---- ELORA's Eval ---------------------------------------------------------------------------------------
+# ---- ELORA's Eval --------------------------------------------------------------------------------
 
 def test_elora_eval_hand_computed():
     pol = EloraPolicy(FixedContext(n=2, low=4.0))
     kv = Item(last_access=8.0)
-    # min(1, 2/4) = 0.5; cost per 16 MiB block = 0.032 * 16/32 = 0.016; visit = 3/10; 1 - sigmoid(2) = 0.11920292
+    # min(1, 2/4) = 0.5; cost per 16 MiB block = 0.032 * 16/32 = 0.016; visit = 3/10;
+    # 1 - sigmoid(2) = 0.11920292
     assert pol.evaluate(kv, now=10.0) == pytest.approx(0.5 * 0.016 * 0.3 * 0.11920292202, rel=1e-9)
     assert pol.evaluate(kv, now=10.0) == pytest.approx(2.8608701e-4, rel=1e-6)
     whole = EloraPolicy(FixedContext(n=2, low=4.0), block_bytes=None)
-    assert whole.evaluate(kv, now=10.0) == pytest.approx(0.5 * 0.032 * 0.3 * 0.11920292202, rel=1e-9)
+    assert whole.evaluate(kv, now=10.0) == pytest.approx(0.5 * 0.032 * 0.3 * 0.11920292202,
+                                                         rel=1e-9)
 
 
 def test_elora_lora_count_term_directions():
@@ -112,7 +118,8 @@ def test_elora_lora_count_term_directions():
 def test_elora_ablations_drop_exactly_one_factor(term, factor):
     ctx, kv = FixedContext(n=2, low=4.0), Item(last_access=8.0)
     full = EloraPolicy(ctx).evaluate(kv, 10.0)
-    assert EloraPolicy(ctx, drop=[term]).evaluate(kv, 10.0) == pytest.approx(full / factor, rel=1e-9)
+    dropped = EloraPolicy(ctx, drop=[term]).evaluate(kv, 10.0)
+    assert dropped == pytest.approx(full / factor, rel=1e-9)
     with pytest.raises(ValueError, match="unknown ELORA terms"):
         EloraPolicy(ctx, drop=["size"])
 
@@ -121,7 +128,8 @@ def test_elora_log_score_orders_old_items_without_underflow():
     pol = EloraPolicy(FixedContext(n=4, low=4.0))
     old, older = Item(last_access=0.0), Item(last_access=-1000.0)
     assert pol.evaluate(old, 1000.0) == 0.0  # Eval itself underflows after ~700 s
-    assert math.isfinite(pol.score(older, 1000.0)) and pol.score(older, 1000.0) < pol.score(old, 1000.0)
+    assert math.isfinite(pol.score(older, 1000.0))
+    assert pol.score(older, 1000.0) < pol.score(old, 1000.0)
     assert pol.score(old, 1000.0) == pytest.approx(math.log(0.016 * 0.3) - 1000.0, abs=1e-9)
 
 
@@ -132,15 +140,16 @@ def test_elora_tau_scales_time():
     assert slow.evaluate(kv, 20.0) == pytest.approx(fast.evaluate(kv, 2.0), rel=1e-12)
 
 
-# ---- Chameleon ------------------------------------------------------------------------------------------
+# ---- Chameleon -----------------------------------------------------------------------------------
 
 def test_chameleon_score_hand_computed():
     pol = ChameleonPolicy(FixedContext(n=1, low=1.0), tau_s=60.0)
-    item = Item(adapter=True, size=100, visits=5.0, last_access=40.0)
+    item = Item(adapter=True, size_bytes=100, visits=5.0, last_access=40.0)
     # F = 5/10, R = exp(-60/60), S = 100/200
     assert pol.terms(item, 100.0) == pytest.approx((0.5, math.exp(-1), 0.5))
-    assert pol.score(item, 100.0) == pytest.approx(0.45 * 0.5 + 0.10 * 0.36787944117 + 0.45 * 0.5, rel=1e-9)
-    big = Item(adapter=True, size=10_000, visits=50.0, last_access=100.0)  # clamped to 1 each
+    expected = 0.45 * 0.5 + 0.10 * 0.36787944117 + 0.45 * 0.5
+    assert pol.score(item, 100.0) == pytest.approx(expected, rel=1e-9)
+    big = Item(adapter=True, size_bytes=10_000, visits=50.0, last_access=100.0)  # clamped to 1 each
     assert pol.score(big, 100.0) == pytest.approx(1.0)
 
 
@@ -156,7 +165,7 @@ def test_registry_and_errors():
     assert LruPolicy()(Item(last_access=3.5), 9.0) == 3.5
 
 
-# ---- UsageStats as the context --------------------------------------------------------------------------
+# ---- UsageStats as the context -------------------------------------------------------------------
 
 def test_usage_stats_low_lora_and_window():
     u = UsageStats({"a": 100, "b": 300}, kv_bytes_per_token=10, kv_reload_s_per_token=1e-3,
@@ -178,8 +187,8 @@ def test_usage_stats_low_lora_and_window():
 
 
 def test_elora_orders_tree_eviction_by_visits_and_cost():
-    """As the tree's ScoreFn: of two equally old runs of equal length, ELORA keeps the one reused more; LRU
-    keeps the one touched later."""
+    """As the tree's ScoreFn: of two equally old runs of equal length, ELORA keeps the one reused
+    more; LRU keeps the one touched later."""
     clock = Clock()
     u = UsageStats({"A": 10 * MiB}, kv_bytes_per_token=MiB, kv_reload_s_per_token=1e-3,
                    adapter_reload_s=lambda b: b / 1e9)

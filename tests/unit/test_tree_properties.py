@@ -1,13 +1,13 @@
-"""Random insert / match / lock / unlock / evict / remove_adapter sequences against a brute-force model.
+"""Random insert / match / lock / unlock / evict / remove_adapter runs against a brute-force model.
 
 The model stores one cell per cached token, keyed by everything that determines that token's KV:
 - base KV (base requests, and aLoRA tokens before the activation page): ("base", ns, page_prefix);
 - standard LoRA KV: ("lora", ns, identity, page_prefix);
 - aLoRA suffix KV: ("alora", ns, identity, k, page_prefix),
-where page_prefix = (tokens up to the end of the page holding token i, i): the tree caches whole pages.
-Slot ids are unique, so every slot the tree frees names exactly one cell. A match must return exactly the
-leading cells of its key that the model holds, which pins isolation: a request never gets KV cached under
-another namespace, adapter or activation start.
+where page_prefix = (tokens up to the end of the page holding token i, i): the tree caches whole
+pages. Slot ids are unique, so every slot the tree frees names exactly one cell. A match must return
+exactly the leading cells of its key that the model holds, which pins isolation: a request never
+gets KV cached under another namespace, adapter or activation start.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ NAMESPACES = [
     Namespace("m", cache_salt="bc", extra_key="a"),
     Namespace("m", cache_salt="c", extra_key="ab"),
 ]
-A, B, X = AdapterRef("a"), AdapterRef("ab"), AdapterRef("bc")  # X is used as an aLoRA (and sometimes not)
+A, B, X = AdapterRef("a"), AdapterRef("ab"), AdapterRef("bc")  # X: an aLoRA (and sometimes not)
 ADAPTER_CHOICES = [None, A, B, X, "X as aLoRA"]
 
 
@@ -37,7 +37,7 @@ def cell_keys(key: MatchKey, page_size: int) -> list[tuple]:
     anchor = None if k is None or n <= k else k - k % page_size
     cells = []
     for i in range(n):
-        prefix = (tokens[: i + 1 - i % page_size + page_size - 1], i)  # the whole page holding token i
+        prefix = (tokens[: i + 1 - i % page_size + page_size - 1], i)  # the page holding token i
         if key.adapter is None or (k is not None and (anchor is None or i < anchor)):
             cells.append(("base", key.namespace, prefix))
         elif k is None:
@@ -48,9 +48,9 @@ def cell_keys(key: MatchKey, page_size: int) -> list[tuple]:
 
 
 def draw_key(data, page_size: int, previous: list[MatchKey]) -> MatchKey:
-    """Over 2 namespaces x {base, A, B, X as a LoRA, X as an aLoRA}, tokens in {0, 1, 2}. Mostly a variation of
-    an earlier key (trimmed and extended, sometimes with another namespace, adapter or activation start), so
-    hits and near-collisions are common."""
+    """Over 2 namespaces x {base, A, B, X as a LoRA, X as an aLoRA}, tokens in {0, 1, 2}. Mostly a
+    variation of an earlier key (trimmed and extended, sometimes with another namespace, adapter or
+    activation start), so hits and near-collisions are common."""
     draw = data.draw
     if previous and draw(st.integers(0, 3)) > 0:
         prev = draw(st.sampled_from(previous))
@@ -107,7 +107,8 @@ class TreeMachine(RuleBasedStateMachine):
         result = self.tree.insert(key, values)
         self.inserted.append(key)
         assert result.prefix_len == len(present)
-        for cell, slot in zip(cell_keys(key, self.page_size)[result.prefix_len:], values[result.prefix_len:]):
+        new_cells = cell_keys(key, self.page_size)[result.prefix_len:]
+        for cell, slot in zip(new_cells, values[result.prefix_len:]):
             assert cell not in self.cells, f"cell {cell} cached twice"
             self.cells[cell] = slot
             self.cell_of_slot[slot] = cell
@@ -134,14 +135,16 @@ class TreeMachine(RuleBasedStateMachine):
         self.match_key(draw_key(data, self.page_size, self.inserted), lock, touch)
 
     @precondition(lambda self: self.inserted)
-    @rule(data=st.data(), lock=st.booleans(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    @rule(data=st.data(), lock=st.booleans(),
+          extra=st.lists(st.integers(0, 2), min_size=1, max_size=4))
     def alora_turn(self, data, lock: bool, extra: list[int]) -> None:
-        """A pipeline turn: X checks an earlier conversation (k = its length), then the same turn returns."""
+        """A pipeline turn: X checks an earlier conversation (k = its length), then it repeats."""
         prev = data.draw(st.sampled_from(self.inserted))
         tokens = _whole_pages(list(prev.token_ids) + extra, self.page_size)
         key = MatchKey(prev.namespace, X, tokens, alora_start=len(prev.token_ids))
         self.insert_key(key, lock)
-        self.match_key(MatchKey(key.namespace, X, tokens + extra, key.alora_start), lock=False, touch=True)
+        again = MatchKey(key.namespace, X, tokens + extra, key.alora_start)
+        self.match_key(again, lock=False, touch=True)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -152,12 +155,13 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(num_tokens=st.integers(0, 8))
     def evict(self, num_tokens: int) -> None:
         freed: list[list[int]] = []
-        evictable = self.tree.evictable_size()
+        evictable = self.tree.evictable_len()
         num_evicted = self.tree.evict(num_tokens, freed.append)
         for run in freed:
             self.free(run)
         assert num_evicted == sum(map(len, freed))
-        assert num_evicted >= min(num_tokens, evictable), "evict stopped while unlocked leaves remained"
+        assert num_evicted >= min(num_tokens, evictable), (
+            "evict stopped while unlocked leaves remained")
         assert all(not node.is_evicted for node in self.held), "a locked node was evicted"
 
     @rule(ns=st.sampled_from(NAMESPACES), adapter=st.sampled_from([A, B, X]))
@@ -183,7 +187,7 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.tree.check_invariants()
-        assert self.tree.total_size() == len(self.cells)
+        assert self.tree.total_len() == len(self.cells)
 
 
 class PagedTreeMachine(TreeMachine):

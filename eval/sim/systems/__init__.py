@@ -17,13 +17,13 @@ drop evicted KV and recompute it.
 
 from __future__ import annotations
 
-from eval.requests import AdapterInfo
 from eval.sim.latency import LatencyModel
 from eval.sim.systems.base import BaseSystem
 from eval.sim.systems.ours import Ours
 from eval.sim.systems.sglang import SglangLike
 from eval.sim.systems.slora import SLoraLike
 from eval.sim.systems.vllm import VllmLike
+from eval.workloads.records import AdapterInfo
 
 BASELINES = {"vllm": VllmLike, "slora": SLoraLike, "sglang": SglangLike}
 

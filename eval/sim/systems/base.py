@@ -1,7 +1,12 @@
 """What every simulated system shares: adapter residency and copies, a per-adapter prefix cache, admission.
 
-Lives here: `SimRequest`, `Admit` and `BaseSystem`. Not here: the event loop (`engine.py`) and what differs
-between systems (memory areas, eviction, slots, history reuse: one file each).
+Lives here: `BaseSystem`. Not here: the request records (`request.py`), the event loop (`engine.py`) and what
+differs between systems (memory areas, eviction, slots, history reuse: one file each).
+
+Memory is the core's: each area is a `sgl_multilora.pool.UnifiedPool` of token-sized slots (one token's KV;
+an adapter takes `slots_for_bytes` of its weights) in counts-only mode, since the tree's values here are owner
+tags, not slot ids; `sgl_multilora.residency.AdapterResidency` owns which adapters hold slots. A unified system
+has one area ("all"); a static split gets one pool per area. `pool_total_bytes` is rounded down to whole slots.
 
 A system answers the engine's four questions: `try_admit` (may this waiting request run now?), `finish`,
 `tick` (copies that completed) and `sample` (memory by kind). Adapters are copied host->GPU on one FIFO PCIe
@@ -15,57 +20,23 @@ tokens are copied back on the same FIFO link (`start_restore`); the request pref
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from enum import Enum
 
-from eval.requests import AdapterInfo, Request
 from eval.sim.hostkv import RESTORE_ID_UNIT, HostKVTier, owner_of, restore_id_of
 from eval.sim.latency import LatencyModel
-from eval.sim.memory import MemoryPool
-from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from eval.sim.link import PcieLink
+from eval.sim.systems.request import NS, Admit, SimRequest
+from eval.workloads.records import AdapterInfo
+from sgl_multilora.keys import AdapterRef, MatchKey
 from sgl_multilora.policy.usage import UsageStats
+from sgl_multilora.pool import KINDS, UnifiedPool, slots_for_bytes
+from sgl_multilora.residency import AdapterResidency
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind
 
-NS = Namespace("llama-3-8b")
-ALORA_INVOCATION_TOKENS = 5
-"""Default length of an aLoRA invocation sequence (activation start k = prompt length - this), as the bundled
-aLoRAs' (eval/workloads/alora_pipeline.py); `simulate(..., alora_invocation_tokens=)` overrides it."""
-
-
-class Admit(Enum):
-    OK = "ok"
-    LOADING = "loading"  # its adapter is being copied in (or waits for room to be); others may go first
-    NO_SLOT = "no_slot"  # no adapter slot is free (fixed-slot systems); others may go first
-    NO_MEMORY = "no_memory"  # not enough KV memory: admission stops here (first come, first served)
-
-
-@dataclass(slots=True, eq=False)
-class SimRequest:
-    """One request inside the simulator; times in seconds from the workload's start."""
-
-    req: Request
-    prompt: tuple[int, ...]
-    output: tuple[int, ...]
-    adapter_idx: int  # index in the workload's adapter list; -1 for the base model
-    alora_start: int | None = None
-    submit_s: float = 0.0  # arrival, or the parent's finish when that is later
-    admit_s: float | None = None
-    cached: int = 0
-    computed: int = 0  # prompt tokens whose KV exists (cached ones included)
-    generated: int = 0  # set to len(output) when it finishes (the loop tracks decoding in aggregate)
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    lock_node: Node | None = None
-    reserved_bytes: int = 0
-    adapter_was_resident: bool = True
-    restored: int = 0  # prompt tokens copied back from the host tier (part of `cached`)
-    ready_s: float = 0.0  # prefill may start (KV it reuses still being copied in until then)
-    host_lock: Node | None = None  # host-tier run this request will copy back, pinned until admission
-
 
 class BaseSystem:
-    """Shared bookkeeping. Subclasses set `name`, `areas()`, the area names and the eviction hooks.
+    """Shared bookkeeping. Subclasses set `name`, `areas()`, the area names and the eviction hooks. Memory is
+    counted in slots (`kvb` bytes each); sizes in bytes are the adapters' weights (copies, kernels, scores).
 
     `history`: keep finished requests' KV in a prefix cache (a `LoraRadixTree`, one namespace level per
     adapter). `alora_sharing`: aLoRA requests read the base model's prefix KV (only the project's tree
@@ -88,17 +59,15 @@ class BaseSystem:
         self.sizes = {a.name: lat.model.adapter_bytes(a.rank, a.target_modules) for a in adapters}
         self.refs = {a.name: AdapterRef(a.name, a.name) for a in adapters}
         self.now = 0.0
-        self.pool_total_bytes = pool_total_bytes
-        self.pool = MemoryPool(self.areas())
+        self.num_slots = pool_total_bytes // self.kvb
+        self.pools = {area: UnifiedPool(n, self.kvb, track_ids=False) for area, n in self.areas().items()}
+        self.kv_pool, self.adapter_pool = self.pools[self.kv_area], self.pools[self.adapter_area]
         self.usage = UsageStats(self.sizes or {"-": 1}, self.kvb, lat.recompute_s_per_token(), lat.h2d_time)
-        self.resident: set[str] = set()
-        self.loading: dict[str, float] = {}
-        self.rc: Counter[str] = Counter()
-        self.link_free_s = 0.0
-        self.running_reserved = 0
+        self.residency = AdapterResidency(self.adapter_pool, self.adapter_slots(), self.usage)
+        self.link = PcieLink(lat, self.sizes, clock=lambda: self.now)
+        self.running_reserved = 0  # KV slots reserved by running requests
         self.stall_s = 0.0
         self.kv_tokens = Counter()  # adapter index (-1: base) -> cached tokens, through the slot values
-        self.num_loads = 0
         self.waiting: Counter[str | None] = Counter()  # waiting requests per adapter
         self.weight_bytes = dict(self.sizes)  # bytes the kernels read (a padded slot holds more)
         self.tree = LoraRadixTree(clock=lambda: self.now) if self.history else None
@@ -111,14 +80,19 @@ class BaseSystem:
     # ---- hooks --------------------------------------------------------------------------------------
 
     def areas(self) -> dict[str, int]:
-        return {"all": self.pool_total_bytes}
+        """Area name -> slots."""
+        return {"all": self.num_slots}
 
-    def make_room_kv(self, num_bytes: int, protect: str | None) -> bool:
-        """Frees memory in the KV area until `num_bytes` fit; False if impossible now."""
+    def adapter_slots(self) -> dict[str, int]:
+        """Slots each adapter's weights take: its own size, no padding."""
+        return {n: slots_for_bytes(size, self.kvb) for n, size in self.sizes.items()}
+
+    def make_room_kv(self, num_slots: int, protect: str | None) -> bool:
+        """Frees slots in the KV area until `num_slots` fit; False if impossible now."""
         raise NotImplementedError
 
-    def make_room_adapter(self, num_bytes: int, protect: str | None) -> bool:
-        """Frees memory in the adapter area until `num_bytes` fit; False if impossible now."""
+    def make_room_adapter(self, num_slots: int, protect: str | None) -> bool:
+        """Frees slots in the adapter area until `num_slots` fit; False if impossible now."""
         raise NotImplementedError
 
     def can_run_adapter(self, name: str | None) -> bool:
@@ -132,16 +106,22 @@ class BaseSystem:
 
     # ---- adapters -----------------------------------------------------------------------------------
 
+    @property
+    def num_loads(self) -> int:
+        """Adapter loads started (on demand and prefetched)."""
+        return self.residency.num_loads
+
     def start_load(self, name: str) -> bool:
         """Starts copying adapter `name` in; False when no room can be made now."""
-        size = self.sizes[name]
-        if not self.pool.fits(self.adapter_area, size) and not self.make_room_adapter(size, name):
+        n = self.residency.entry(name).num_slots
+        if not self.adapter_pool.can_fit(n) and not self.make_room_adapter(n, name):
             return False
-        self.pool.alloc(self.adapter_area, "in_flight", size)
-        start = max(self.now, self.link_free_s)
-        self.link_free_s = self.loading[name] = start + self.lat.h2d_time(size)
-        self.num_loads += 1
+        self.link.start(name, self.residency.begin_load(name))
         return True
+
+    def poll_loads(self) -> list[str]:
+        """Completes the adapter copies that finished; returns the adapters."""
+        return self.residency.complete_loads(self.link)
 
     def tick(self, now: float) -> None:
         """Completes the copies that finished by `now`."""
@@ -149,26 +129,18 @@ class BaseSystem:
         for rid, (done, n, host_node) in list(self.restores.items()):
             if done <= now:
                 del self.restores[rid]
-                self.pool.move(self.kv_area, "in_flight", "kv_cached", n * self.kvb)
+                self.kv_pool.move("in_flight", "kv_cached", n)
                 self.restoring_tokens -= n
                 self.host.tree.unlock(host_node)
-        for name, done in list(self.loading.items()):
-            if done <= now:
-                del self.loading[name]
-                self.pool.move(self.adapter_area, "in_flight", "adapter", self.sizes[name])
-                self.resident.add(name)
-                self.usage.set_resident(name, True)
-                self.on_loaded(name)
+        for name in self.poll_loads():
+            self.on_loaded(name)
 
     def drop_adapter(self, name: str) -> None:
         """Frees a resident, unused adapter's weights (the host copy stays)."""
-        assert self.rc[name] == 0, f"dropping adapter {name} used by {self.rc[name]} running requests"
-        self.resident.discard(name)
-        self.usage.set_resident(name, False)
-        self.pool.free(self.adapter_area, "adapter", self.sizes[name])
+        self.residency.drop(name)
 
     def next_event_s(self) -> float | None:
-        nxt = min(self.loading.values(), default=None)
+        nxt = min((self.link.done_s(a) for a in self.residency.loading_ids()), default=None)
         if self.restores:
             done = min(d for d, _, _ in self.restores.values())
             nxt = done if nxt is None else min(nxt, done)
@@ -184,31 +156,32 @@ class BaseSystem:
         name = sr.req.adapter
         self.usage.record_request(name, self.now)
         self.waiting[name] += 1
-        sr.adapter_was_resident = name is None or name in self.resident
+        sr.adapter_was_resident = name is None or self.residency.is_resident(name)
 
     def try_admit(self, sr: SimRequest) -> Admit:
-        name = sr.req.adapter
-        if name is not None and name not in self.resident:
-            if name not in self.loading and not self.start_load(name):
+        name, res = sr.req.adapter, self.residency
+        if name is not None and not res.is_resident(name):
+            if not res.is_loading(name) and not self.start_load(name):
                 return Admit.LOADING
-            if name not in self.resident:
+            if not res.is_resident(name):
                 return Admit.LOADING
         if not self.can_run_adapter(name):
             return Admit.NO_SLOT
         self.match(sr)
-        need = (len(sr.prompt) - sr.cached + sr.restored + len(sr.output)) * self.kvb
-        if not self.pool.fits(self.kv_area, need) and not self.make_room_kv(need, name):
+        need = len(sr.prompt) - sr.cached + sr.restored + len(sr.output)
+        if not self.kv_pool.can_fit(need) and not self.make_room_kv(need, name):
             self.unlock(sr)
             return Admit.NO_MEMORY
-        self.pool.alloc(self.kv_area, "kv_running", need)
+        reserved = self.kv_pool.alloc("kv_running", need)
+        assert reserved is not None, "make_room_kv said yes without room"
         if sr.restored:
             self.start_restore(sr)
-            need -= sr.restored * self.kvb
-        sr.reserved_bytes = need
+            need -= sr.restored
+        sr.reserved_slots = need
         self.running_reserved += need
         self.waiting[name] -= 1
         if name is not None:
-            self.rc[name] += 1
+            res.acquire(name)
         return Admit.OK
 
     def finish(self, sr: SimRequest) -> None:
@@ -217,17 +190,17 @@ class BaseSystem:
             full = sr.prompt + sr.output
             vals = self.values(sr, len(full))
             res = self.tree.insert(self.key(sr, full), vals)
-            new_bytes = (len(full) - res.prefix_len) * self.kvb
+            new = len(full) - res.prefix_len
             self.kv_tokens.update(vals[res.prefix_len:])
-            self.pool.move(self.kv_area, "kv_running", "kv_cached", new_bytes)
-            self.pool.free(self.kv_area, "kv_running", sr.reserved_bytes - new_bytes)
+            self.kv_pool.move("kv_running", "kv_cached", new)
+            self.kv_pool.release("kv_running", sr.reserved_slots - new)
             self.unlock(sr)
         else:
-            self.pool.free(self.kv_area, "kv_running", sr.reserved_bytes)
-        self.running_reserved -= sr.reserved_bytes
+            self.kv_pool.release("kv_running", sr.reserved_slots)
+        self.running_reserved -= sr.reserved_slots
         name = sr.req.adapter
         if name is not None:
-            self.rc[name] -= 1
+            self.residency.release(name)
         self.after_finish(name)
 
     # ---- prefix cache -------------------------------------------------------------------------------
@@ -249,7 +222,7 @@ class BaseSystem:
     def free_kv(self, values: list[int]) -> None:
         """Frees one evicted run (one owner per run; restored KV carries a restore id, `hostkv.py`)."""
         self.kv_tokens[owner_of(values[0])] -= len(values)
-        self.pool.free(self.kv_area, "kv_cached", len(values) * self.kvb)
+        self.kv_pool.release("kv_cached", len(values))
 
     def match(self, sr: SimRequest) -> None:
         """Looks up the prompt (all but its last token, which must be computed) and locks what it found. With
@@ -290,12 +263,11 @@ class BaseSystem:
         res = self.tree.insert(self.key(sr, sr.prompt[:end]), vals[:start] + tagged)
         assert res.prefix_len == start, f"restore of [{start}, {end}) found {res.prefix_len} tokens on the GPU"
         self.kv_tokens.update(vals[start:])
-        self.pool.move(self.kv_area, "kv_running", "in_flight", n * self.kvb)
+        self.kv_pool.move("kv_running", "in_flight", n)
         self.tree.unlock(sr.lock_node)
         sr.lock_node = res.last_node
         self.tree.lock(res.last_node)
-        begin = max(self.now, self.link_free_s)
-        self.link_free_s = done = begin + self.lat.h2d_time(n * self.kvb)
+        done = self.link.copy(n * self.kvb)
         self.restores[rid] = (done, n, sr.host_lock)
         sr.host_lock = None
         sr.ready_s = max(sr.ready_s, done)
@@ -311,58 +283,42 @@ class BaseSystem:
             self.host.tree.unlock(sr.host_lock)
             sr.host_lock = None
 
-    def evict_adapters_lru(self, num_bytes: int, protect: str | None) -> bool:
-        """Drops unused resident adapters, least recently requested first, until `num_bytes` fit in the
-        adapter area."""
-        if self.pool.fits(self.adapter_area, num_bytes):
-            return True
-        records = self.usage.records
-        idle = sorted((n for n in self.resident if self.rc[n] == 0 and n != protect),
-                      key=lambda n: (records[n].last_access, n))
-        for name in idle:
-            self.drop_adapter(name)
-            if self.pool.fits(self.adapter_area, num_bytes):
-                return True
-        return False
-
-    def evict_kv_lru(self, num_bytes: int) -> bool:
-        """Frees history KV (the tree's own order) until `num_bytes` fit in the KV area."""
-        short = num_bytes - self.pool.free_bytes(self.kv_area)
-        if short > 0 and self.tree is not None:
-            self.tree.evict(-(-short // self.kvb), self.free_kv)
-        return self.pool.fits(self.kv_area, num_bytes)
-
     # ---- observation --------------------------------------------------------------------------------
 
     def invalid_kv_bytes(self) -> int:
         """History KV of adapters whose weights are not on the GPU (useless until the adapter returns)."""
         return sum(n for idx, n in self.kv_tokens.items()
-                   if idx >= 0 and self.names[idx] not in self.resident) * self.kvb
+                   if idx >= 0 and not self.residency.is_resident(self.names[idx])) * self.kvb
+
+    def used_slots(self) -> dict[str, int]:
+        """Slots of each kind, summed over the areas."""
+        return {k: sum(p.num_of(k) for p in self.pools.values()) for k in KINDS}
 
     def sample(self) -> dict:
-        out = self.pool.by_kind()
+        """Memory by kind in bytes (slots x bytes per slot), "free" included, and the counters."""
+        out = {k: n * self.kvb for k, n in self.used_slots().items()}
+        out["free"] = sum(p.num_free for p in self.pools.values()) * self.kvb
         out["invalid_kv"] = self.invalid_kv_bytes()
         out["host_kv"] = 0 if self.host is None else self.host.used_bytes
-        out["num_resident_adapters"] = len(self.resident)
+        out["num_resident_adapters"] = self.residency.num_resident
         return out
 
     def check_invariants(self) -> None:
         """Memory accounting exact by kind; every counter agrees with its owner. O(tree) with a tree."""
-        self.pool.check_invariants()
-        used = {k: sum(u[k] for u in self.pool.used.values()) for k in ("adapter", "in_flight",
-                                                                         "kv_running", "kv_cached")}
-        assert used["adapter"] == sum(self.sizes[n] for n in self.resident), "adapter bytes != resident set"
-        assert used["in_flight"] == (sum(self.sizes[n] for n in self.loading)
-                                     + self.restoring_tokens * self.kvb), "in-flight bytes != copies"
+        for pool in self.pools.values():
+            pool.check_invariants()
+        self.residency.check_invariants()  # also: running adapters are resident
+        used = self.used_slots()
+        assert used["adapter"] == self.residency.resident_slots(), "adapter slots != resident set"
+        assert used["in_flight"] == self.residency.loading_slots() + self.restoring_tokens, (
+            "in-flight slots != copies")
         assert self.restoring_tokens == sum(n for _, n, _ in self.restores.values()), "restores drifted"
         assert used["kv_running"] == self.running_reserved, "kv_running != reservations of running requests"
-        assert min(self.rc.values(), default=0) >= 0, f"negative adapter reference count {self.rc}"
-        assert all(self.rc[n] == 0 or n in self.resident for n in self.rc), "a running adapter is not resident"
         if self.tree is not None:
             self.tree.check_invariants()
-            assert used["kv_cached"] + self.restoring_tokens * self.kvb == self.tree.total_size() * self.kvb, (
+            assert used["kv_cached"] + self.restoring_tokens == self.tree.total_len(), (
                 "kv_cached + KV being copied in != tree size")
-            assert sum(self.kv_tokens.values()) == self.tree.total_size(), "per-adapter KV counts drifted"
+            assert sum(self.kv_tokens.values()) == self.tree.total_len(), "per-adapter KV counts drifted"
         else:
             assert used["kv_cached"] == 0, "a system without history KV holds cached KV"
         if self.host is not None:

@@ -8,6 +8,7 @@ adapters for queued requests). KV needs win over idle adapters, which go least r
 
 from __future__ import annotations
 
+from eval.sim.systems.area_lru import evict_adapters_lru
 from eval.sim.systems.base import BaseSystem
 
 
@@ -15,12 +16,13 @@ class SLoraLike(BaseSystem):
     name = "slora"
     history = False
 
-    def make_room_kv(self, num_bytes: int, protect: str | None) -> bool:
-        return self.evict_adapters_lru(num_bytes, protect)
+    def make_room_kv(self, num_slots: int, protect: str | None) -> bool:
+        return evict_adapters_lru(self, num_slots, protect)
 
-    def make_room_adapter(self, num_bytes: int, protect: str | None) -> bool:
-        return self.evict_adapters_lru(num_bytes, protect)
+    def make_room_adapter(self, num_slots: int, protect: str | None) -> bool:
+        return evict_adapters_lru(self, num_slots, protect)
 
     def after_finish(self, name: str | None) -> None:
-        if name is not None and self.rc[name] == 0 and not self.waiting[name] and name in self.resident:
+        res = self.residency
+        if name is not None and not res.num_running(name) and not self.waiting[name] and res.is_resident(name):
             self.drop_adapter(name)

@@ -1,0 +1,295 @@
+"""What the simulated ELORA experiment shows, computed from its run records: TTFT reductions,
+ablation ratios, invalid-KV shares and the conclusions they support, each sentence chosen by the
+numbers it quotes.
+
+Lives here: `Findings`, `compute_findings` and `conclusions`, plus ELORA's published figures as
+cited constants (`PAPER_*`, never computed). Not here: running the simulation (`compare.py`) or the
+report's tables (`compare_report.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from eval.sim.latency import LatencyModel
+
+# ELORA's published figures (seed-elora.md; measured on H800s), cited for comparison only.
+PAPER_TTFT_REDUCTION = {"vllm": 0.457, "slora": 0.433}  # mean TTFT reduction vs each baseline
+PAPER_SGLANG_TTFT_MS = 9568.9  # stock SGLang's mean TTFT, left out of the paper's averages
+PAPER_INVALID_KV = {"vllm": 0.424, "ours:elora:no-tree": 0.486, "ours:elora": 0.0}
+PAPER_ABLATIONS = {"ours:lru": 1.42, "ours:elora:no-tree": 1.51, "ours:elora:-lora_count": 1.21,
+                   "ours:elora:-cost": 1.19, "ours:elora:-visit": 1.25, "ours:elora:-recency": 1.21}
+
+OURS = "ours:elora"
+NO_TIER = "ours:elora:no-host-kv"
+BASELINES = ("vllm", "slora", "sglang")
+ORDER_ONLY = {"ours:lru": "WOS", "ours:elora:no-tree": "WOM", "ours:elora:-lora_count": "WOL",
+              "ours:elora:-cost": "WOC", "ours:elora:-visit": "WOV",
+              "ours:elora:no-prefetch": "no prefetch"}
+"""Ablations that change only which item is evicted or prefetched first, not what is kept where."""
+ABLATION_NAMES = {"ours:lru": "WOS (LRU instead of the score)",
+                  "ours:elora:no-tree": "WOM (no dependency tree)",
+                  "ours:elora:-lora_count": "WOL (no LoRA-count term)",
+                  "ours:elora:-cost": "WOC (no cost term)",
+                  "ours:elora:-visit": "WOV (no visit term)",
+                  "ours:elora:-recency": "WOU (no recency term)",
+                  "ours:chameleon": "Chameleon's score instead of ELORA's",
+                  "ours:elora:tau=10": "ELORA with t in units of 10 s",
+                  "ours:elora:tau=60": "ELORA with t in units of 60 s",
+                  "ours:elora:no-prefetch": "ELORA without idle prefetch",
+                  "ours:elora:no-host-kv": "ELORA without the host KV tier (evicted KV recomputed)",
+                  "ours:elora:host-kv=32": "ELORA with a 32 GB host KV pool (256 GB / 8 GPUs)"}
+SLO_S = 0.5  # ELORA's peak-load SLO: mean TTFT under 500 ms
+NEGLIGIBLE = 0.03  # a TTFT ratio within 3% of 1.00 is reported as no effect
+LITTLE_INVALID_KV = 0.05  # invalid-KV shares below this leave the dependency tree little to reclaim
+
+
+def by_setting(records: list[dict]) -> dict[tuple[int, float, str], dict]:
+    """{(num_adapters, conversation rate, arm): summary} of run records."""
+    return {(r["setup"]["num_adapters"], r["setup"]["conversation_rate"], r["setup"]["arm"]):
+            r["summary"] for r in records}
+
+
+def peak_rate(s: dict, n: int, rates: list[float], arm: str) -> float | None:
+    """Highest swept rate whose mean TTFT stays under the SLO; None when none does."""
+    ok = [r for r in rates if (n, r, arm) in s and s[(n, r, arm)]["ttft_mean_s"] < SLO_S]
+    return max(ok) if ok else None
+
+
+@dataclass(frozen=True)
+class Findings:
+    """Figures of one experiment; nan where the records lack the arms.
+
+    reduction / reduction_no_tier: baseline -> mean of 1 - TTFT(ours) / TTFT(baseline) over the
+    rates up to the peak load of ours / of ours without the host tier, then over adapter counts.
+    ablation: arm -> mean TTFT(arm) / TTFT(ours) over the ablation rates. invalid: arm -> mean
+    invalid-KV share over all its runs. top: adapter count -> arm -> run record at the top rate."""
+
+    reduction: dict[str, float]
+    reduction_no_tier: dict[str, float]
+    ablation: dict[str, float]
+    invalid: dict[str, float]
+    top_rate: float
+    top: dict[int, dict[str, dict]]
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def compute_findings(records: list[dict], num_adapters: list[int], rates: list[float],
+                     ablation_rates: list[float]) -> Findings:
+    s = by_setting(records)
+    reductions: dict[tuple[str, str], list[float]] = {
+        (o, b): [] for o in (OURS, NO_TIER) for b in BASELINES}
+    for n in num_adapters:
+        for ours, base in reductions:
+            if not all((n, r, a) in s for r in rates for a in (ours, base)):
+                continue
+            peak = peak_rate(s, n, rates, ours) or min(rates)
+            reductions[(ours, base)] += [
+                1 - s[(n, r, ours)]["ttft_mean_s"] / s[(n, r, base)]["ttft_mean_s"]
+                for r in rates if r <= peak]
+    ablation = {}
+    for arm in dict.fromkeys(r["setup"]["arm"] for r in records):
+        if arm == OURS or arm in BASELINES:
+            continue
+        ratios = [s[(n, r, arm)]["ttft_mean_s"] / s[(n, r, OURS)]["ttft_mean_s"]
+                  for n in num_adapters for r in ablation_rates
+                  if (n, r, arm) in s and (n, r, OURS) in s]
+        if ratios:
+            ablation[arm] = _mean(ratios)
+    invalid = {arm: _mean([x["invalid_kv_share"] for k, x in s.items() if k[2] == arm])
+               for arm in ("vllm", "sglang", OURS, "ours:elora:no-tree")}
+    top_rate = max(rates)
+    top = {n: {r["setup"]["arm"]: r for r in records
+               if r["setup"]["num_adapters"] == n and r["setup"]["conversation_rate"] == top_rate}
+           for n in num_adapters}
+    return Findings(reduction={b: _mean(reductions[(OURS, b)]) for b in BASELINES},
+                    reduction_no_tier={b: _mean(reductions[(NO_TIER, b)]) for b in BASELINES},
+                    ablation=ablation, invalid=invalid, top_rate=top_rate, top=top)
+
+
+def mean_memory_gb(record: dict, kind: str) -> float:
+    """Mean bytes of one memory kind over a run's samples, in GB."""
+    return _mean([m[kind] for m in record["memory_samples"]]) / 1e9
+
+
+def _negligible(ratio: float) -> bool:
+    return abs(ratio - 1) <= NEGLIGIBLE
+
+
+def _effect(ratio: float) -> str:
+    """'no effect' within NEGLIGIBLE of 1.00x, else how much slower or faster mean TTFT gets."""
+    if _negligible(ratio):
+        return f"no effect ({ratio:.2f}x)"
+    return f"{ratio - 1:+.0%} mean TTFT ({ratio:.2f}x)"
+
+
+def _headline(f: Findings) -> list[str]:
+    out = []
+    for base, name in (("vllm", "vLLM"), ("slora", "S-LoRA")):
+        ours, paper = f.reduction[base], PAPER_TTFT_REDUCTION[base]
+        if math.isnan(ours):
+            continue
+        verdict = ("matches" if abs(ours - paper) <= 0.01 else "exceeds" if ours > paper
+                   else "falls short of")
+        line = (f"- **Against {name}-like, ours {verdict} ELORA's published reduction**: mean "
+                f"TTFT {-ours:+.1%} against the paper's {-paper:+.1%} "
+                f"({abs(ours - paper) * 100:.1f} points apart).")
+        pre = f.reduction_no_tier[base]
+        if not math.isnan(pre):
+            line += f" Without the host KV tier: {-pre:+.1%}"
+            if pre <= 0 < ours:
+                line += ", so ours beats it only with the tier."
+            elif 0 < pre < ours:
+                line += f", so the tier brings {(ours - pre) / ours:.0%} of ours' reduction."
+            else:
+                line += ", so the tier does not explain the reduction."
+        out.append(line)
+    return out
+
+
+def _tier_and_order(f: Findings, lat: LatencyModel) -> list[str]:
+    order = {a: f.ablation[a] for a in ORDER_ONLY if a in f.ablation}
+    if not order:
+        return []
+    short = ", ".join(ORDER_ONLY[a] for a in order)
+    lo, hi = min(order.values()), max(order.values())
+    span = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+    paper = [PAPER_ABLATIONS[a] for a in order if a in PAPER_ABLATIONS]
+    paper_range = f" (ELORA: {min(paper):.2f}-{max(paper):.2f}x)" if paper else ""
+    if all(_negligible(r) for r in order.values()):
+        line = (f"- **The eviction order barely matters here.** The ablations that only change "
+                f"what goes first ({short}) land at {span} ours' mean TTFT{paper_range}.")
+    else:
+        worst = max(order, key=order.get)
+        line = (f"- **The eviction order matters.** The order-only ablations ({short}) land at "
+                f"{span}{paper_range}; the largest is {ABLATION_NAMES[worst]} at "
+                f"{order[worst]:.2f}x.")
+    tier = f.ablation.get(NO_TIER)
+    if tier is not None:
+        biggest = max(f.ablation, key=f.ablation.get)
+        line += f" Without the host KV tier: {_effect(tier)}"
+        line += (", more than any other ablation." if biggest == NO_TIER else
+                 f", less than {ABLATION_NAMES[biggest]} ({f.ablation[biggest]:.2f}x).")
+    m, hw = lat.model, lat.hw
+    copy_us = m.kv_bytes_per_token / hw.pcie_bytes_per_s * 1e6
+    line += (f" In the latency model a token's KV comes back from the host in {copy_us:.1f} us "
+             f"({m.kv_bytes_per_token // 1024} KiB at {hw.pcie_bytes_per_s / 1e9:g} GB/s) against "
+             f"{lat.recompute_s_per_token() * 1e6:.0f} us to recompute it")
+    if tier is not None and not _negligible(tier):
+        line += ", so with the tier a wrong eviction costs a copy, not a recompute"
+    line += "."
+    small = f.ablation.get("ours:elora:host-kv=32")
+    if small is not None:
+        line += f" A 32 GB host pool instead of the default: {_effect(small)}."
+    return [line]
+
+
+def _kv_or_adapters(f: Findings, lat: LatencyModel) -> list[str]:
+    out = []
+    for n, runs in f.top.items():
+        if OURS not in runs or "vllm" not in runs:
+            continue
+        o, v = runs[OURS]["summary"], runs["vllm"]["summary"]
+        kv_gap = o["kv_hit_rate"] - v["kv_hit_rate"]
+        adapter_gap = o["adapter_hit_rate"] - v["adapter_hit_rate"]
+        if max(kv_gap, adapter_gap) <= 0.01:
+            verdict = "ours' hit rates are no higher than vLLM-like's"
+        elif kv_gap > adapter_gap:
+            verdict = "ours' edge over vLLM-like is KV reuse, not adapter residency"
+        else:
+            verdict = "ours' edge over vLLM-like is adapter residency, not KV reuse"
+        area_gb = 0.2 * runs["vllm"]["setup"]["pool_bytes"] / 1e9
+        used_gb = mean_memory_gb(runs["vllm"], "adapter")
+        out.append(
+            f"- **{n} adapters at {f.top_rate:g} conversations/s: {verdict}** (KV hit rate "
+            f"{kv_gap:+.3f}, adapter hit rate {adapter_gap:+.3f}). "
+            f"vLLM's static adapter area held {used_gb:.1f} of its {area_gb:.1f} GB on average "
+            f"({1 - used_gb / area_gb:.0%} idle) while ours kept "
+            f"{mean_memory_gb(runs[OURS], 'kv_cached'):.1f} GB of history KV against vLLM's "
+            f"{mean_memory_gb(runs['vllm'], 'kv_cached'):.1f} GB.")
+    setup = next((r["setup"] for runs in f.top.values() for r in runs.values()), None)
+    if out and setup and "params" in setup and "target_modules" in setup:
+        rank = max(setup["params"]["ranks"])
+        size = lat.model.adapter_bytes(rank, tuple(setup["target_modules"]))
+        out.append(f"  A rank-{rank} adapter on these modules is {size / 1e6:.0f} MB: "
+                   f"{lat.h2d_time(size) * 1e3:.1f} ms over PCIe, overlapped with compute, "
+                   f"against {1000 * lat.recompute_s_per_token() * 1e3:.0f} ms to recompute "
+                   "1,000 prompt tokens.")
+    return out
+
+
+def _score_terms(f: Findings) -> list[str]:
+    out = []
+    lru = f.ablation.get("ours:lru")
+    if lru is not None:
+        if _negligible(lru):
+            verdict = "ELORA's score evicts in LRU's order here"
+        elif lru > 1:
+            verdict = "ELORA's score beats LRU"
+        else:
+            verdict = "LRU beats ELORA's score"
+        line = f"- **{verdict}** (WOS {lru:.2f}x; ELORA: {PAPER_ABLATIONS['ours:lru']:.2f}x)."
+        units = [(u, f.ablation[f"ours:elora:tau={u}"]) for u in (10, 60)
+                 if f"ours:elora:tau={u}" in f.ablation]
+        if units:
+            line += " Measuring t in units of "
+            line += "; ".join(f"{u} s: {_effect(r)}" for u, r in units) + "."
+        if _negligible(lru):
+            line += (" With t in seconds, 1 - sigmoid(t) falls by about e per second, so recency "
+                     "decides the order of anything idle for more than a few seconds "
+                     "(sgl_multilora/policy/elora.py).")
+        out.append(line)
+    for arm in ("ours:elora:-recency", "ours:chameleon"):
+        if arm in f.ablation:
+            paper = PAPER_ABLATIONS.get(arm)
+            cited = f"; ELORA: {paper:.2f}x" if paper else ""
+            out.append(f"- **{ABLATION_NAMES[arm]}: {_effect(f.ablation[arm])}**{cited}.")
+    return out
+
+
+def _invalid_kv(f: Findings) -> list[str]:
+    ours = f.invalid.get(OURS, math.nan)
+    if math.isnan(ours):
+        return []
+    line = ("- **The dependency tree keeps invalid KV at 0.**" if ours == 0 else
+            f"- **Ours holds invalid KV ({ours:.1%}), which the dependency invariant forbids.**")
+    parts = []
+    for arm, name in (("vllm", "vLLM-like"), ("ours:elora:no-tree", "the no-tree ablation")):
+        share = f.invalid.get(arm, math.nan)
+        if math.isnan(share):
+            continue
+        paper = PAPER_INVALID_KV[arm]
+        scale = "far below" if share < paper / 4 else "below" if share < 0.8 * paper else "close to"
+        parts.append(f"{name} {share:.1%}, {scale} ELORA's {paper:.1%}")
+    if parts:
+        line += " Invalid KV elsewhere: " + "; ".join(parts) + "."
+    wom = f.ablation.get("ours:elora:no-tree")
+    if wom is not None:
+        line += f" Without the tree: {_effect(wom)}"
+        little = _negligible(wom) and all(f.invalid.get(a, 0.0) < LITTLE_INVALID_KV
+                                          for a in ("vllm", "ours:elora:no-tree"))
+        line += ", so the tree has little to fix on this workload." if little else "."
+    return [line]
+
+
+MODEL_LIMITS = """Model limits (properties of the simulator, the same in every run):
+- The host tier is inclusive, its GPU->host writes are not timed and ELORA's idle prefetch of host
+  KV is not modelled (eval/sim/hostkv.py); the host pool size is an assumption (`--host-kv-gb`).
+- The baselines have no host KV tier, as in the paper, so reductions against them include the
+  tier's gain.
+- The workload is synthetic (eval/workloads/chatbot.py), not LMSYS-33k, and the latency model is a
+  roofline (eval/sim/latency.py) without a GPU measurement behind it."""
+
+
+def conclusions(f: Findings, lat: LatencyModel | None = None) -> list[str]:
+    """Markdown bullets, each a conclusion chosen by the figures it quotes, then the model's limits.
+    Does not modify `f`."""
+    lat = lat or LatencyModel()
+    bullets = _headline(f) + _tier_and_order(f, lat) + _kv_or_adapters(f, lat) + _score_terms(f)
+    return bullets + _invalid_kv(f) + ["", MODEL_LIMITS]

@@ -1,0 +1,140 @@
+"""One queue's admission scan in a batch (Algorithm 1's put_batch, with our changes).
+
+Lives here: `BatchContext` (one batch's budget and callback answers), `scan_queue` (which requests
+of one queue go in, with their charges; it decides, it does not apply) and `borrow`. Not here:
+the phase order, or applying a decision to queues, ledger and running set (multiqueue.py).
+
+Rules, in the order a request meets them (reference/seed-chameleon.md, 4.3 and 4.4):
+1. Quota: the cost must fit the tokens left (phase 1: the queue's available quota; phase 2: its
+   remainder plus the spare pool), else the queue stops (the paper's strict FIFO). Exception: a
+   request larger than its queue's whole quota goes in as the first admission of an idle queue
+   (nothing of it running); otherwise it could never run, and it then holds more than the quota.
+2. Budget: the cost must fit what is left of the batch budget, else the queue stops (multiqueue.py
+   promotes a queue whose head keeps stopping here).
+3. Residency: a request whose adapter is not resident is passed over, keeping its place, and its
+   adapter is prefetched; the paper stops the queue at it instead, idling the whole queue for a
+   PCIe transfer. At most `lookahead` are passed per queue and batch, so a scan stays short. If
+   the prefetch callback answers that the adapter cannot fit even after evicting every idle
+   adapter, that request is R1 for the bypass rule.
+4. Bypass: after such an R1, a request passes only if T_wait(R1) > T_exec(it); the first that
+   fails stops the queue (bypass.py defines both times).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from sgl_multilora.sched.bypass import predict_wait_s
+from sgl_multilora.sched.request import SchedRequest, TimingModel
+
+IsResident = Callable[[str], bool]
+"""adapter -> its weights are on the device now."""
+RequestPrefetch = Callable[[str], bool]
+"""adapter -> True if a load is under way or was started now; False if it cannot fit even after
+evicting every idle adapter (the bypass trigger)."""
+
+
+class BatchContext:
+    """One build_batch call's scratch: the budget left and each adapter's callback answers (each
+    callback runs at most once per adapter and batch)."""
+
+    def __init__(self, now: float, budget: int | None, is_resident: IsResident | None,
+                 prefetch: RequestPrefetch | None) -> None:
+        self.now, self.budget = now, budget
+        self._is_resident, self._prefetch = is_resident, prefetch
+        self._resident: dict[str, bool] = {}
+        self._loadable: dict[str, bool] = {}
+
+    def resident(self, adapter: str | None) -> bool:
+        if adapter is None or self._is_resident is None:
+            return True
+        if adapter not in self._resident:
+            self._resident[adapter] = self._is_resident(adapter)
+        return self._resident[adapter]
+
+    def loadable(self, adapter: str) -> bool:
+        """Asks for a prefetch; False means memory-blocked."""
+        if adapter not in self._loadable:
+            self._loadable[adapter] = self._prefetch(adapter) if self._prefetch else True
+        return self._loadable[adapter]
+
+
+@dataclass
+class ScanResult:
+    admitted: list[SchedRequest] = field(default_factory=list)
+    """In FIFO order; each with `charges` set."""
+    bypasses: list[tuple[SchedRequest, SchedRequest]] = field(default_factory=list)
+    """(R2, R1): R2 was admitted past the memory-blocked R1."""
+    budget_stop: SchedRequest | None = None
+    """The request that fitted the quota but not the budget, if the scan stopped there."""
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What the scan needs to know of one queue."""
+
+    index: int
+    available: int
+    quota: int
+    idle: bool
+    """Nothing of the queue is running."""
+
+
+def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext,
+               lenders: list[list[int]] | None, running: Iterable[SchedRequest],
+               timing: TimingModel, lookahead: int) -> ScanResult:
+    """Decides admissions from one queue. Phase 1 when `lenders` is None; in phase 2 a request
+    draws on its queue's remainder first, then on `lenders` ([queue, spare] entries, smallest
+    queue first). Decrements `ctx.budget` and the lenders' spare; sets `charges` on admitted
+    requests; changes nothing else."""
+    out = ScanResult()
+    own = view.available
+    cap = max(0, own) + (sum(spare for _, spare in lenders) if lenders else 0)
+    blocker: SchedRequest | None = None
+    t_wait = 0.0
+    passed = 0
+    for r in queue:
+        cost = r.cost_tokens
+        oversize = lenders is None and view.idle and not out.admitted and cost > view.quota
+        if cost > cap and not oversize:
+            break
+        if ctx.budget is not None and cost > ctx.budget:
+            out.budget_stop = r
+            break
+        if not ctx.resident(r.adapter):
+            if not ctx.loadable(r.adapter) and blocker is None:
+                blocker = r
+                t_wait = predict_wait_s(r, running, ctx.now, timing)
+            passed += 1
+            if passed > lookahead:
+                break
+            continue
+        if blocker is not None and t_wait <= timing.request_exec_s(r):
+            break
+        from_own = cost if lenders is None else min(cost, max(0, own))
+        r.charges = ([(view.index, from_own)] if from_own else []) + borrow(cost - from_own,
+                                                                           lenders)
+        own -= from_own
+        cap -= cost
+        if ctx.budget is not None:
+            ctx.budget -= cost
+        out.admitted.append(r)
+        if blocker is not None:
+            out.bypasses.append((r, blocker))
+    return out
+
+
+def borrow(tokens: int, lenders: list[list[int]] | None) -> list[tuple[int, int]]:
+    """Takes `tokens` from the lenders in order, decrementing their spare; the charges taken."""
+    charges = []
+    for entry in lenders or ():
+        if tokens <= 0:
+            break
+        take = min(tokens, entry[1])
+        if take:
+            charges.append((entry[0], take))
+            entry[1] -= take
+            tokens -= take
+    assert tokens <= 0, "phase 2 admitted more than the spare pool holds"
+    return charges

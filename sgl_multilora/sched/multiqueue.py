@@ -1,0 +1,285 @@
+"""The adapter-aware multi-queue scheduler: Chameleon's Algorithm 1 with quotas, bypass and squash.
+
+Lives here: `MultiQueueScheduler`, the owner of queued and running requests' scheduling state.
+Not here: memory (the caller says which adapters are resident and starts loads through callbacks),
+SGLang's objects, one queue's admission rules (admission.py) or the fitting of cut-offs and
+quotas (plan.py).
+
+Each `build_batch` (reference/seed-chameleon.md, 4.3):
+- Phase 1: queues in ascending WRS order admit FIFO up to their available quota (quota minus the
+  tokens their running requests hold).
+- Phase 2: queues left empty lend their unused quota; non-empty queues, smallest first, admit
+  from their own remainder plus that spare pool. Borrowed tokens are charged to the lenders and
+  return to them on finish (the paper leaves this open; charging the borrower would let the held
+  tokens exceed the total).
+- `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
+  queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
+  promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted.
+Starvation bound (tested under adversarial arrivals in tests/unit/test_sched_starvation.py):
+within one refresh period, let r head its queue with its adapter resident, and let the queue's
+available quota cover r's cost (or nothing of the queue run). Nothing else can take that quota
+(lending needs an empty queue, and nothing behind r passes it), so this stays true, and r is
+admitted by the first `build_batch` when no budget is given, or within `max_budget_skips + K`
+calls when every budget covers the largest queued cost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import pairwise
+
+from sgl_multilora.sched.admission import (
+    BatchContext,
+    IsResident,
+    QueueView,
+    RequestPrefetch,
+    scan_queue,
+)
+from sgl_multilora.sched.bypass import BypassBook, SquashInfo, squash_candidates
+from sgl_multilora.sched.config import SchedConfig
+from sgl_multilora.sched.plan import SchedPlan, fit_plan, fixed_plan, single_queue_plan
+from sgl_multilora.sched.predictor import OutputLengthPredictor
+from sgl_multilora.sched.queues import QueueSet
+from sgl_multilora.sched.quotas import QuotaLedger
+from sgl_multilora.sched.request import SchedRequest
+from sgl_multilora.sched.stats import QueueInfo, SchedStats
+
+
+class MultiQueueScheduler:
+    def __init__(self, config: SchedConfig, predictor: OutputLengthPredictor | None = None) -> None:
+        self.config = config
+        self.predictor = predictor or OutputLengthPredictor()
+        self.plan: SchedPlan = single_queue_plan(config)
+        self.queues = QueueSet(1)
+        self.ledger = QuotaLedger(self.plan.quotas.quotas)
+        self.bypass = BypassBook()
+        self._running: dict[str, SchedRequest] = {}
+        self._window: deque[SchedRequest] = deque(maxlen=config.window_size)
+        self._total_tokens = config.total_tokens
+        self._fitted = False
+        self._seq = 0
+        self._num_batches = 0
+        self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
+        self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
+        self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0}
+
+    # ---- arrivals and departures -----------------------------------------------------------------
+
+    def add(self, r: SchedRequest) -> None:
+        """Predicts r's output, prices and routes it, and queues it. Raises ValueError for a rid
+        already here or negative sizes."""
+        if r.rid in self.queues or r.rid in self._running:
+            raise ValueError(f"request {r.rid!r} is already queued or running")
+        if min(r.in_len, r.rank, r.adapter_tokens, r.max_new_tokens or 0) < 0:
+            raise ValueError(f"negative size in {r}")
+        pred = self.predictor.predict(r.adapter, r.in_len)
+        r.pred_out_len = pred if r.max_new_tokens is None else min(pred, r.max_new_tokens)
+        r.cost_tokens = r.in_len + r.pred_out_len + r.adapter_tokens
+        r.wrs = self.plan.normalizer.wrs(r.in_len, r.pred_out_len, r.rank)
+        r.seq, self._seq = self._seq, self._seq + 1
+        self.queues.push(r, self.plan.route(r.wrs))
+        self._window.append(r)
+
+    def remove(self, rid: str) -> SchedRequest | None:
+        """Takes a queued request out (abort, adapter unloaded); None if it is not queued."""
+        r = self.queues.pop(rid)
+        if r is not None:
+            self.bypass.forget(rid)
+            self._clear_skip(r)
+        return r
+
+    def on_finish(self, rid: str, now: float, out_len: int | None = None) -> SchedRequest:
+        """A running request ended: its tokens return to the queues that lent them, and the
+        predictor learns `out_len` (None: aborted, nothing to learn). Raises KeyError if `rid` is
+        not running (finished twice, or never admitted)."""
+        r = self._pop_running(rid)
+        r.finished_at = now
+        self.counts["finished"] += 1
+        if out_len is not None:
+            self.predictor.observe(r.adapter, r.in_len, out_len, r.pred_out_len)
+        return r
+
+    def requeue(self, rid: str, squash: bool = False) -> SchedRequest:
+        """A running request goes back to its arrival position (squashed, or retracted by the
+        engine) and its tokens return. Raises KeyError if it is not running."""
+        r = self._pop_running(rid)
+        r.admitted_at = None
+        if squash:
+            r.num_squashes += 1
+            self.counts["squashes"] += 1
+        self.queues.push_in_order(r, self.plan.route(r.wrs))
+        return r
+
+    def _pop_running(self, rid: str) -> SchedRequest:
+        r = self._running.pop(rid, None)
+        if r is None:
+            raise KeyError(f"request {rid!r} is not running: finished twice, or never admitted")
+        self.ledger.release(r.charges)
+        r.charges = []
+        self.bypass.forget(rid)
+        return r
+
+    # ---- batch building --------------------------------------------------------------------------
+
+    def build_batch(self, now: float, budget_tokens: int | None = None,
+                    is_resident: IsResident | None = None,
+                    request_prefetch: RequestPrefetch | None = None) -> list[SchedRequest]:
+        """Admits requests for this iteration (Algorithm 1 as above), refreshing the plan first
+        when one is due. The returned requests are running from now on: finish each with
+        `on_finish` or return it with `requeue`. Without callbacks every adapter is resident."""
+        self.refresh(now)
+        ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch)
+        batch: list[SchedRequest] = []
+        k = self.queues.num_queues
+        promoted = sorted(self._promoted, key=self._promoted.__getitem__)
+        for q in promoted + [q for q in range(k) if q not in self._promoted]:
+            self._scan(q, ctx, batch, None)
+        lenders = [[q, self.ledger.available(q)] for q in range(k)
+                   if not self.queues.len_of(q) and self.ledger.available(q) > 0]
+        for q in range(k):
+            if not any(spare for _, spare in lenders):
+                break
+            if self.queues.len_of(q):
+                self._scan(q, ctx, batch, lenders)
+        self._num_batches += 1
+        return batch
+
+    def _scan(self, q: int, ctx: BatchContext, batch: list[SchedRequest],
+              lenders: list[list[int]] | None) -> None:
+        view = QueueView(q, self.ledger.available(q), self.ledger.quotas[q],
+                         self.ledger.held[q] == 0)
+        result = scan_queue(self.queues.scan(q), view, ctx, lenders, self._running.values(),
+                            self.config.timing, self.config.lookahead)
+        if result.budget_stop is not None and lenders is None:
+            self._note_budget_skip(q, result.budget_stop)
+        for r in result.admitted:
+            self._start(r, ctx.now)
+            batch.append(r)
+        for r2, r1 in result.bypasses:
+            self.bypass.record(r2, r1)
+            self.counts["bypasses"] += 1
+
+    def _start(self, r: SchedRequest, now: float) -> None:
+        self.queues.pop(r.rid)
+        self.bypass.forget_beneficiary(r.rid)
+        self._clear_skip(r)
+        self.ledger.charge(r.charges)
+        r.admitted_at = now
+        self._running[r.rid] = r
+        self.counts["admitted"] += 1
+
+    def _note_budget_skip(self, q: int, r: SchedRequest) -> None:
+        rid, n = self._budget_skips.get(q, (None, 0))
+        if rid != r.rid:
+            self._promoted.pop(q, None)
+            n = 0
+        self._budget_skips[q] = (r.rid, n + 1)
+        if n + 1 >= self.config.max_budget_skips and q not in self._promoted:
+            self._promoted[q] = self._num_batches
+
+    def _clear_skip(self, r: SchedRequest) -> None:
+        entry = self._budget_skips.get(r.queue)
+        if entry is not None and entry[0] == r.rid:
+            del self._budget_skips[r.queue]
+            self._promoted.pop(r.queue, None)
+
+    # ---- bypass and squash -----------------------------------------------------------------------
+
+    def squash_candidates(self, free_tokens: int,
+                          footprint: Callable[[SchedRequest], int] | None = None
+                          ) -> list[SquashInfo]:
+        """Running requests to squash now (bypass.py). Modifies nothing: the caller aborts each
+        victim in the engine, then calls `requeue(victim.rid, squash=True)`."""
+        return squash_candidates(self.bypass, self._running, self.queues.get, free_tokens,
+                                 self.config.max_squashes, footprint)
+
+    # ---- refresh ---------------------------------------------------------------------------------
+
+    def refresh(self, now: float, total_tokens: int | None = None, force: bool = False) -> bool:
+        """Refits normaliser, cut-offs and quotas when due (every `requeue_s`; the first time as
+        soon as `min_samples` requests arrived) or when forced, and re-routes queued requests.
+        `total_tokens`: a new Tok_total, used from this refit on. The current plan stays while
+        the window (requests of the last `window_s`) holds fewer than `min_samples`. True if a new
+        plan is in."""
+        if total_tokens is not None:
+            self._total_tokens = total_tokens
+        if not self.config.adaptive and not force:
+            return False
+        if not force and not (now >= self.plan.fitted_at + self.config.requeue_s
+                              if self._fitted else len(self._window) >= self.config.min_samples):
+            return False
+        while self._window and self._window[0].arrival < now - self.config.window_s:
+            self._window.popleft()
+        if len(self._window) < self.config.min_samples:
+            return False
+        self._install(fit_plan(list(self._window), now, self.config, self._total_tokens))
+        self._fitted = True
+        self.counts["refreshes"] += 1
+        return True
+
+    def set_plan(self, cutoffs: list[float], quotas: list[int], now: float = 0.0) -> None:
+        """Installs fixed cut-offs and quotas (the Static baseline; tests). With `requeue_s` =
+        inf they stay; otherwise the next due refresh replaces them. Raises ValueError if they do
+        not describe len(cutoffs) + 1 queues."""
+        self._install(fixed_plan(self.config, cutoffs, quotas, now))
+        self._fitted = True
+
+    def _install(self, plan: SchedPlan) -> None:
+        """New plan: WRS recomputed and requests re-routed, queued and running alike; a running
+        request's whole cost is re-charged to its new queue (lending ends at a refresh)."""
+        self.plan = plan
+
+        def route(r: SchedRequest) -> int:
+            r.wrs = plan.normalizer.wrs(r.in_len, r.pred_out_len, r.rank)
+            return plan.route(r.wrs)
+
+        self.queues.reroute(plan.num_queues, route)
+        for r in self._running.values():
+            r.queue = route(r)
+            r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
+        self.ledger.reset(plan.quotas.quotas, (r.charges for r in self._running.values()))
+        self._budget_skips.clear()
+        self._promoted.clear()
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> dict[str, SchedRequest]:
+        """rid -> running request. Read only."""
+        return self._running
+
+    def wanted_adapters(self) -> dict[str, int]:
+        """Adapter -> queued requests naming it (input to the pool's eviction tiers). A copy."""
+        return self.queues.wanted_adapters()
+
+    def stats(self) -> SchedStats:
+        plan, ledger = self.plan, self.ledger
+        bounds = (0.0, *plan.clustering.cutoffs, 1.0)
+        infos = tuple(
+            QueueInfo(q, self.queues.len_of(q), ledger.quotas[q], plan.quotas.minima[q],
+                      ledger.held[q], bounds[q], bounds[q + 1])
+            for q in range(self.queues.num_queues))
+        return SchedStats(
+            queues=infos, cutoffs=plan.clustering.cutoffs, num_queued=len(self.queues),
+            num_running=len(self._running), quotas_feasible=plan.quotas.feasible,
+            normalizer=plan.normalizer, predictor=self.predictor.stats(),
+            promoted=tuple(self._promoted), counts=dict(self.counts))
+
+    def check_invariants(self) -> None:
+        self.queues.check_invariants()
+        k = self.plan.num_queues
+        assert self.queues.num_queues == k == len(self.ledger.quotas), "plan and queues disagree"
+        cuts = self.plan.clustering.cutoffs
+        assert all(a < b for a, b in pairwise(cuts)), f"cut-offs not increasing: {cuts}"
+        for q in range(k):
+            for r in self.queues.scan(q):
+                assert self.plan.route(r.wrs) == q, f"{r} sits in the wrong queue"
+        for rid, r in self._running.items():
+            assert rid not in self.queues, f"{rid} both queued and running"
+            assert r.admitted_at is not None and 0 <= r.queue < k, f"{r} running but not admitted"
+            assert sum(t for _, t in r.charges) == r.cost_tokens, f"{r} charges {r.charges}"
+        self.ledger.check_invariants(r.charges for r in self._running.values())
+        self.bypass.check_invariants(self._running, self.queues.get)
+        self.predictor.check_invariants()
+

@@ -1,0 +1,106 @@
+"""A scheduling plan (normaliser, queues and cut-offs, quotas) and how it is fitted to a window of
+recent requests at each refresh.
+
+Lives here: `SchedPlan`, `fit_plan` and `single_queue_plan` (pure functions). Not here: the window
+itself or installing a plan (multiqueue.py).
+
+Per-queue statistics for Tok_min (choices the paper leaves open, section 8.7 of the reference):
+the window's requests are routed by the new cut-offs; then per queue S = the largest cost, lambda
+= the count over the window's time span, D = the mean measured service time (admission to finish)
+of those that finished, or the timing model's T_exec of the queue's mean request while none has.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from sgl_multilora.sched.config import SchedConfig
+from sgl_multilora.sched.kmeans import Clustering, choose_clustering
+from sgl_multilora.sched.quotas import QueueLoad, QuotaPlan, plan_quotas
+from sgl_multilora.sched.request import SchedRequest
+from sgl_multilora.sched.wrs import WrsNormalizer, fit_normalizer
+
+MIN_SPAN_S = 1.0
+"""Arrival rates are counts over at least this span, so a burst in the first instant does not
+read as an infinite rate."""
+
+
+@dataclass(frozen=True)
+class SchedPlan:
+    normalizer: WrsNormalizer
+    clustering: Clustering
+    quotas: QuotaPlan
+    loads: tuple[QueueLoad, ...]
+    fitted_at: float
+    num_samples: int
+
+    @property
+    def num_queues(self) -> int:
+        return self.clustering.k
+
+    def route(self, wrs: float) -> int:
+        """Queue index: 0 for WRS < B_1, i for B_i <= WRS < B_(i+1), K-1 for WRS >= B_(K-1)."""
+        return bisect.bisect_right(self.clustering.cutoffs, wrs)
+
+
+def single_queue_plan(config: SchedConfig, now: float = 0.0) -> SchedPlan:
+    """The cold-start plan: one queue holding the whole token total."""
+    clustering = Clustering(1, (0.0,), (), (0.0,))
+    quotas = QuotaPlan((config.total_tokens,), (0,), True)
+    return SchedPlan(config.initial_norm, clustering, quotas, (), now, 0)
+
+
+def fixed_plan(config: SchedConfig, cutoffs: Sequence[float], quotas: Sequence[int],
+               now: float = 0.0) -> SchedPlan:
+    """A plan with given cut-offs and quotas (the paper's Static baseline: 4 queues with equal WRS
+    ranges and equal tokens). Raises ValueError unless the cut-offs increase strictly and there is
+    one quota per queue, each >= 0."""
+    cuts = tuple(float(c) for c in cutoffs)
+    if any(a >= b for a, b in pairwise(cuts)) or len(quotas) != len(cuts) + 1:
+        raise ValueError(f"need strictly increasing cut-offs and one quota per queue; got "
+                         f"{cuts} and {list(quotas)}")
+    if min(quotas) < 0:
+        raise ValueError(f"quotas must be >= 0, got {list(quotas)}")
+    centroids = tuple([0.0] * (len(cuts) + 1))  # not fitted
+    clustering = Clustering(len(cuts) + 1, centroids, cuts, ())
+    return SchedPlan(config.initial_norm, clustering,
+                     QuotaPlan(tuple(quotas), tuple([0] * len(quotas)), True), (), now, 0)
+
+
+def fit_plan(window: Sequence[SchedRequest], now: float, config: SchedConfig,
+             total_tokens: int) -> SchedPlan:
+    """Fits a plan on `window` (recent requests, oldest first, at least one). Does not modify the
+    requests: their WRS under the new normaliser is computed here, not stored."""
+    norm = fit_normalizer([r.in_len for r in window], [r.pred_out_len for r in window],
+                          [r.rank for r in window], config.initial_norm, config.norm_quantile)
+    values = [norm.wrs(r.in_len, r.pred_out_len, r.rank) for r in window]
+    clustering = choose_clustering(values, config.max_queues, config.min_gain)
+    span = max(MIN_SPAN_S, now - window[0].arrival)
+    members: list[list[SchedRequest]] = [[] for _ in range(clustering.k)]
+    for r, v in zip(window, values):
+        members[bisect.bisect_right(clustering.cutoffs, v)].append(r)
+    loads = tuple(_queue_load(m, span, config) for m in members)
+    quotas = plan_quotas(total_tokens, loads, config.ttft_slo_s)
+    return SchedPlan(norm, clustering, quotas, loads, now, len(window))
+
+
+def _queue_load(members: Sequence[SchedRequest], span_s: float, config: SchedConfig) -> QueueLoad:
+    if not members:
+        return QueueLoad(1, config.timing.exec_s(0, 1), 0.0, 0)
+    done = [r.finished_at - r.admitted_at for r in members
+            if r.finished_at is not None and r.admitted_at is not None]
+    if done:
+        service_s = sum(done) / len(done)
+    else:
+        n = len(members)
+        service_s = config.timing.exec_s(round(sum(r.in_len for r in members) / n),
+                                         round(sum(r.pred_out_len for r in members) / n))
+    return QueueLoad(
+        max_cost_tokens=max(r.cost_tokens for r in members),
+        service_s=service_s,
+        arrival_rate=len(members) / span_s,
+        demand_tokens=sum(r.cost_tokens for r in members),
+    )

@@ -1,0 +1,40 @@
+"""The scheduler's read-only report: queues, cut-offs, quotas, predictor accuracy, counters.
+
+Lives here: `SchedStats` and `QueueInfo` (frozen records). Not here: how they are computed
+(`MultiQueueScheduler.stats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_multilora.sched.predictor import PredictorStats
+from sgl_multilora.sched.wrs import WrsNormalizer
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    index: int
+    num_queued: int
+    quota_tokens: int
+    min_tokens: int
+    """Tok_min of the plan (0 for a single-queue or fixed plan)."""
+    held_tokens: int
+    """Held by running requests: the queue's own and those it lent to in phase 2."""
+    wrs_low: float
+    wrs_high: float
+
+
+@dataclass(frozen=True)
+class SchedStats:
+    queues: tuple[QueueInfo, ...]
+    cutoffs: tuple[float, ...]
+    num_queued: int
+    num_running: int
+    quotas_feasible: bool
+    normalizer: WrsNormalizer
+    predictor: PredictorStats
+    promoted: tuple[int, ...]
+    """Queues going first because their head kept missing the batch budget."""
+    counts: dict[str, int]
+    """admitted, finished, bypasses, squashes, refreshes (since start)."""

@@ -1,0 +1,251 @@
+"""ELORA's cache swapper over the dependency tree and the unified pool: busy, evict the lowest-scored KV leaves
+and adapters; idle, prefetch the highest-scored adapters.
+
+Lives here: `Swapper` and its counters. Not here: the scores (`policy/`: a policy scores, the swapper applies
+the order), the slots (`pool.py`), adapter states (`residency.py`), node edits (`tree.py`), the copies (the
+caller's `residency.Loader`) and the host KV tier.
+
+Busy (`make_room`): one heap holds the unlocked KV leaves and the resident adapters that no running request
+uses and no resident KV depends on, lowest score first (ELORA's swap-out of GPU leaves). Popping a KV leaf may
+make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suffix depends on) free of
+dependents: those join the heap. So the resident set stays closed under dependency at every instant: no
+resident KV of a non-resident adapter (invalid KV == 0), no locked node and no used adapter ever evicted.
+Idle (`tick`): every `swap_interval_s`, while used slots are below `idle_watermark` of the pool, absent
+adapters start loading in descending score, stopping before one would cross the watermark (ELORA's swap-in;
+only adapters: prefetching host KV waits for the host tier).
+
+Choices the paper leaves open (shared/reference/seed-elora.md), and why:
+- A11: a request that needs slots evicts at once (`make_room`) rather than waiting for the next tick: the
+  tick period (100 ms) is long against a step, and waiting adds queueing the paper counts against TTFT.
+- A8: "full" means the request's slots do not fit; an eviction then frees `headroom_frac` of the pool beyond
+  them (default 1%), so one scoring pass serves several admissions, as one swapper tick would. Usage for the
+  idle watermark counts every kind (running KV and in-flight copies included).
+- A10: after each adapter eviction the heap is rebuilt, since Low_lora's N changed and ELORA rescores; after
+  a KV eviction only the newly eligible items are scored.
+- Ties: equal scores go KV first, then by node id (creation order) or adapter id, so the order never depends
+  on set iteration or hash seeds (the simulator is deterministic across processes).
+- `dependency=False` is ELORA's WOM ablation: adapters go by the same score while their KV stays (invalid).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from sgl_multilora.policy.base import BasePolicy
+from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
+from sgl_multilora.residency import AdapterResidency, AdapterState, Loader
+from sgl_multilora.tree import LoraRadixTree
+from sgl_multilora.tree_nodes import FreeFn, Node, NodeKind
+
+_KV = NodeKind.KV
+_ADAPTER = NodeKind.ADAPTER
+
+
+@dataclass(slots=True)
+class SwapperCounters:
+    """Lifetime counts. Evictions by kind (KV runs and their slots; adapters and theirs); adapter loads
+    started on demand (`adapter_loads`) and by the idle swap-in (`prefetches`)."""
+
+    kv_evictions: int = 0
+    kv_evicted_slots: int = 0
+    adapter_evictions: int = 0
+    adapter_evicted_slots: int = 0
+    adapter_loads: int = 0
+    prefetches: int = 0
+
+
+class Swapper:
+    """Applies a policy's order to the tree's KV leaves and the resident adapters of one pool.
+
+    `residency.usage` must be set: adapters are scored by their `AdapterRecord`. `free_kv(values)` gives an
+    evicted KV run's slots back (default: `pool.release("kv_cached", values)`); `on_evict_kv(node)` runs just
+    before a KV leaf is evicted (a host tier copies it out). The clock is the tree's.
+    """
+
+    def __init__(self, tree: LoraRadixTree, pool: UnifiedPool, residency: AdapterResidency,
+                 policy: BasePolicy, loader: Loader, *, dependency: bool = True, prefetch: bool = True,
+                 headroom_frac: float = 0.01, idle_watermark: float = 0.7, swap_interval_s: float = 0.1,
+                 free_kv: FreeFn | None = None, on_evict_kv: Callable[[Node], object] | None = None) -> None:
+        if residency.usage is None:
+            raise ValueError("the swapper scores adapters by their usage records: give the residency a usage")
+        if not 0.0 <= idle_watermark <= 1.0 or headroom_frac < 0 or swap_interval_s <= 0:
+            raise ValueError(f"need 0 <= idle_watermark <= 1, headroom_frac >= 0, swap_interval_s > 0; got "
+                             f"{idle_watermark}, {headroom_frac}, {swap_interval_s}")
+        self.tree, self.pool, self.residency, self.policy, self.loader = tree, pool, residency, policy, loader
+        self.records = residency.usage.records
+        self.dependency = dependency
+        self.prefetch = prefetch
+        self.headroom_slots = int(headroom_frac * pool.num_slots)
+        self.idle_watermark = idle_watermark
+        self.swap_interval_s = swap_interval_s
+        self.free_kv = free_kv if free_kv is not None else self._release_kv
+        self.on_evict_kv = on_evict_kv
+        self.counters = SwapperCounters()
+        self._next_swap_s = 0.0
+
+    # ---- busy: evict -----------------------------------------------------------------------------
+
+    def make_room(self, num_slots: int, protect: str | None = None) -> bool:
+        """Evicts in ascending score until `num_slots` (+ headroom) are free; True if `num_slots` fit.
+
+        Never evicts locked KV, an adapter a running request uses or that resident KV depends on, or the
+        adapter `protect`. False ("not now") when the candidates run out first. Raises ExceedsPoolError for
+        more slots than the whole pool."""
+        pool = self.pool
+        if num_slots > pool.num_slots:
+            raise ExceedsPoolError(f"{num_slots} slots", num_slots, pool.num_slots, pool.slot_bytes)
+        if pool.can_fit(num_slots):
+            return True
+        target = num_slots + self.headroom_slots
+        now, score = self.tree.clock(), self.policy.score
+        heap = self._heap(protect, now)
+        while heap and pool.num_free < target:
+            item = heapq.heappop(heap)[3]
+            if isinstance(item, str):
+                if self._adapter_evictable(item, protect):
+                    self._evict_adapter(item)
+                    heap = self._heap(protect, now)  # N changed: ELORA rescores (A10)
+                continue
+            if item.is_evicted or item.children or item.lock_ref:
+                continue
+            parent, dep = item.parent, item.depends_on
+            if self.on_evict_kv is not None:
+                self.on_evict_kv(item)
+            c = self.counters
+            c.kv_evicted_slots += self.tree.evict_leaf(item, self.free_kv)
+            c.kv_evictions += 1
+            if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (score(parent, now), 0, parent.id, parent))
+            for adapter in (parent, dep):
+                if adapter is not None and adapter.kind is _ADAPTER:
+                    name = adapter.label.identity
+                    if self._adapter_evictable(name, protect):
+                        heapq.heappush(heap, (score(self.records[name], now), 1, name, name))
+        return pool.can_fit(num_slots)
+
+    def adapter_evictable(self, adapter_id: str, protect: str | None = None) -> bool:
+        """Resident, used by no running request, not `protect`, and (with the dependency rule) no KV in any
+        namespace hangs below or depends on it and no lock holds it. Pure query."""
+        return self._adapter_evictable(adapter_id, protect)
+
+    # ---- loads and idle prefetch -----------------------------------------------------------------
+
+    def load(self, adapter_id: str) -> bool:
+        """On demand: makes room (never evicting this adapter), reserves its slots and starts the copy. True
+        once it is loading or resident; False ("not now") when no room can be made. Raises ExceedsPoolError
+        (naming both sizes) for an adapter larger than the pool, KeyError for an unknown one."""
+        e = self.residency.entry(adapter_id)
+        if e.state is not AdapterState.ABSENT:
+            return True
+        if e.num_slots > self.pool.num_slots:
+            raise ExceedsPoolError(f"adapter {adapter_id!r}", e.num_slots, self.pool.num_slots,
+                                   self.pool.slot_bytes)
+        if not self.pool.can_fit(e.num_slots) and not self.make_room(e.num_slots, protect=adapter_id):
+            return False
+        self._start(adapter_id)
+        self.counters.adapter_loads += 1
+        return True
+
+    def poll_loads(self) -> list[str]:
+        """Finishes the loads the loader reports done; returns their ids (in the order they started)."""
+        return self.residency.complete_loads(self.loader)
+
+    def tick(self, now: float) -> list[str]:
+        """Finishes done loads (returned, as `poll_loads`); then, once per `swap_interval_s`, while used
+        slots are below `idle_watermark` of the pool, starts loading absent adapters, highest score first
+        (ties by id), stopping before one would cross the watermark. Never evicts."""
+        done = self.poll_loads()
+        if not self.prefetch or now < self._next_swap_s:
+            return done
+        self._next_swap_s = now + self.swap_interval_s
+        limit = self.idle_watermark * self.pool.num_slots
+        if self.pool.num_used >= limit:
+            return done
+        res, score = self.residency, self.policy.score
+        cold = [a for a in res.ids() if res.entry(a).state is AdapterState.ABSENT]
+        cold.sort(key=lambda a: (-score(self.records[a], now), a))
+        for adapter_id in cold:
+            if self.pool.num_used + res.entry(adapter_id).num_slots > limit:
+                break
+            self._start(adapter_id)
+            self.counters.prefetches += 1
+        return done
+
+    # ---- observation -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The counters and the invalid KV slots now (a snapshot)."""
+        return {**asdict(self.counters), "invalid_kv_slots": self.invalid_kv_slots()}
+
+    def invalid_kv_slots(self) -> int:
+        """KV slots below (or depending on) adapter nodes whose adapter is not resident: always 0 with the
+        dependency rule. Walks those subtrees only."""
+        total = 0
+        for ns_node in self.tree.root.children.values():
+            for identity, top in ns_node.children.items():
+                if identity is None or self.residency.is_resident(identity):
+                    continue
+                stack = [*top.children.values(), *top.dependents]
+                while stack:
+                    node = stack.pop()
+                    total += len(node.key)
+                    stack.extend(node.children.values())
+        return total
+
+    def check_invariants(self) -> None:
+        """The pool's and the residency's checks, plus the dependency rule: every adapter node in the tree
+        is resident (so invalid KV is 0). The tree's own check is its owner's to call (O(tree))."""
+        self.pool.check_invariants()
+        self.residency.check_invariants()
+        if not self.dependency:
+            return
+        for ns_node in self.tree.root.children.values():
+            for identity, node in ns_node.children.items():
+                assert identity is None or self.residency.is_resident(identity), (
+                    f"adapter node {node} in the tree while its weights are not resident: dependency broken")
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _heap(self, protect: str | None, now: float) -> list:
+        """Candidates as (score, kind, key, item): KV (0) before adapters (1) on equal scores, then node id
+        or adapter id."""
+        score, records = self.policy.score, self.records
+        heap = [(score(n, now), 0, n.id, n) for n in self.tree.evictable_leaves()]
+        heap += [(score(records[a], now), 1, a, a) for a in self.residency.resident_ids()
+                 if self._adapter_evictable(a, protect)]
+        heapq.heapify(heap)
+        return heap
+
+    def _adapter_nodes(self, adapter_id: str) -> list[Node]:
+        """The adapter's node in every namespace that has one."""
+        return [ns.children[adapter_id] for ns in self.tree.root.children.values() if adapter_id in ns.children]
+
+    def _adapter_evictable(self, adapter_id: str, protect: str | None) -> bool:
+        if adapter_id == protect or not self.residency.is_resident(adapter_id):
+            return False
+        if self.residency.num_running(adapter_id):
+            return False
+        if not self.dependency:
+            return True
+        return all(not n.children and not n.dependents and n.lock_ref == 0
+                   for n in self._adapter_nodes(adapter_id))
+
+    def _evict_adapter(self, adapter_id: str) -> None:
+        num_slots = self.residency.entry(adapter_id).num_slots
+        self.residency.drop(adapter_id)
+        if self.dependency:
+            for node in self._adapter_nodes(adapter_id):
+                freed = self.tree.remove_adapter(node.parent.label, node.label, self.free_kv)
+                assert freed == 0, f"adapter {adapter_id!r} removed with {freed} tokens of KV depending on it"
+        self.counters.adapter_evictions += 1
+        self.counters.adapter_evicted_slots += num_slots
+
+    def _start(self, adapter_id: str) -> None:
+        slots = self.residency.begin_load(adapter_id)
+        assert slots is not None, f"no room to load adapter {adapter_id!r}: check can_fit first"
+        self.loader.start(adapter_id, slots)
+
+    def _release_kv(self, values: list[int]) -> None:
+        self.pool.release("kv_cached", values)

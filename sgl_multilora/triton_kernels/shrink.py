@@ -1,0 +1,137 @@
+"""LoRA shrink: t = x @ A^T per weight slot and output slice (the Triton kernel, its launcher, its torch reference).
+
+Not here: expand (`expand.py`), the weight table (`weights.py`), the step layout (`sgl_multilora.segments`),
+dispatch (`ops.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_multilora.segments import SegmentMeta
+from sgl_multilora.triton_kernels.jit import jit_kernel, tl
+from sgl_multilora.triton_kernels.weights import LoRAWeights
+
+MIN_BLOCK = 16  # tl.dot needs every block dimension >= 16
+
+
+def shrink_config(max_tokens: int, in_features: int, max_rank: int) -> dict[str, int]:
+    """Launch config by shape (a heuristic, not tuned on a GPU yet): decode-sized batches split K across programs
+    (few tokens leave too few programs to stream A at full bandwidth); prefill uses larger token blocks."""
+    block_r = max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length())
+    block_m = 16 if max_tokens <= 64 else 64
+    block_k = 128 if block_r <= 32 else 64
+    split_k = 1
+    if max_tokens <= 64 and in_features >= 2048:
+        split_k = min(8, max(1, in_features // 1024))
+    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k}
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    t: torch.Tensor,
+    meta: SegmentMeta,
+    weights: LoRAWeights,
+    config: dict[str, int] | None = None,
+) -> None:
+    """Semantics: for each slot s and slice j, for tokens i of slot s:
+        t[i, j * R : j * R + r_s] = x[i] @ A_sj.T          (R = weights.max_rank; r_s = rank of slot s)
+
+    x: (num_tokens, in), fp16/bf16/fp32, unit column stride; meta: the step layout prepared for x's rows.
+    t: (num_tokens, num_slices * R) float32, written in place (zeroed first when the config splits K); entries of
+    other tokens and columns >= r_s are left untouched.
+    """
+    _check(x, t, meta, weights)
+    num_rows = x.shape[0]  # the grid depends on the input's rows only (fixed in a captured CUDA graph)
+    if num_rows == 0:
+        return
+    import triton
+
+    cfg = config or shrink_config(num_rows, weights.in_features, weights.max_rank)
+    if cfg["BLOCK_R"] < weights.max_rank:
+        raise ValueError(f"BLOCK_R {cfg['BLOCK_R']} is below the maximum rank {weights.max_rank}")
+    if cfg["SPLIT_K"] > 1:
+        t.zero_()
+    tab = weights.tables()
+    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * cfg["SPLIT_K"], weights.num_slots, weights.num_slices)
+    jit_kernel(_shrink_kernel)[grid](
+        x, t, meta.sorted_token_ids, meta.seg_indptr, tab["ranks"], tab["a_ptrs"], tab["a_row_stride"],
+        weights.in_features, x.stride(0), t.stride(0), weights.max_rank, weights.num_slices,
+        **cfg,
+    )
+
+
+def _shrink_kernel(
+    x_ptr, t_ptr, sorted_ids_ptr, seg_indptr_ptr, ranks_ptr, a_ptrs_ptr, a_row_stride_ptr,
+    K, stride_xm, stride_tm, t_slice_stride, num_slices,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    sl = tl.program_id(2)
+    pid_m = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    rank = tl.load(ranks_ptr + slot).to(tl.int32)
+    seg_start = tl.load(seg_indptr_ptr + slot)
+    seg_len = tl.load(seg_indptr_ptr + slot + 1) - seg_start
+    if (rank == 0) | (pid_m * BLOCK_M >= seg_len):  # empty slot, or past this slot's tokens: no work
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_len
+    rows = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    a_row_stride = tl.load(a_row_stride_ptr + slot)
+    a_ptr = tl.load(a_ptrs_ptr + slot).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    a_ptr += sl * rank * a_row_stride  # slice sl: rows [sl * rank, (sl + 1) * rank) of the slot's A
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # not tl.zeros: a jitted helper (see jit.py)
+    # plain integer ceil-divisions, not tl.cdiv (a jitted helper, see jit.py)
+    k_per_split = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    k_begin = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_begin + k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        at = tl.load(a_ptr + offs_r[None, :] * a_row_stride + offs_k[:, None],
+                     mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+        acc += tl.dot(xt, at)
+    out = t_ptr + rows[:, None] * stride_tm + sl * t_slice_stride + offs_r[None, :]
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def lora_shrink_ref(x: torch.Tensor, t: torch.Tensor, meta: SegmentMeta, weights: LoRAWeights) -> None:
+    """The same semantics in plain torch, computed in float32 (the CPU serving path's implementation)."""
+    _check(x, t, meta, weights)
+    r_max = weights.max_rank
+    for slot, rank in enumerate(weights.ranks_cpu):
+        if rank == 0:
+            continue
+        rows = meta.slot_rows(slot)
+        if rows.numel() == 0:
+            continue
+        xs = x.index_select(0, rows).float()
+        for j, a in enumerate(weights.a_views[slot]):
+            t[rows, j * r_max : j * r_max + rank] = xs @ a.float().t()
+
+
+def _check(x: torch.Tensor, t: torch.Tensor, meta: SegmentMeta, weights: LoRAWeights) -> None:
+    if x.dim() != 2 or x.shape[1] != weights.in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected (num_tokens, {weights.in_features})")
+    meta.check_rows(x.shape[0], "x")
+    if x.stride(1) != 1:
+        raise ValueError(f"x needs unit column stride, got strides {x.stride()}")
+    width = weights.num_slices * weights.max_rank
+    if t.dtype != torch.float32 or t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] < width or t.stride(1) != 1:
+        raise ValueError(f"t must be float32 ({x.shape[0]}, >= {width}) with unit column stride, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if x.dtype != weights.dtype:
+        raise ValueError(f"x is {x.dtype} but the LoRA weights are {weights.dtype}")
+    if meta.num_slots != weights.num_slots:
+        raise ValueError(f"the layout has {meta.num_slots} slots, the weights {weights.num_slots}")
+    if x.device != weights.device or x.device != meta.device:
+        raise ValueError(f"x on {x.device}, weights on {weights.device}, layout on {meta.device}")

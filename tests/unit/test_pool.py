@@ -1,0 +1,105 @@
+"""The unified pool as a story on twelve slots: KV from the lowest ids, adapters best fit from the top, exact
+ids and counts by kind after every step; "not now" returns None, "never" raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool, runs_of, slots_for_bytes
+
+
+def kinds(pool: UnifiedPool) -> dict[str, int]:
+    pool.check_invariants()
+    return pool.by_kind()
+
+
+def test_slots_for_bytes_rounds_up_and_never_pads():
+    assert slots_for_bytes(0, 100) == 0
+    assert slots_for_bytes(100, 100) == 1
+    assert slots_for_bytes(101, 100) == 2
+    # rank 8 vs rank 64 on the same modules: 8x the slots, nothing padded to the larger rank
+    per_rank = 2 * 4096 * 32 * 2  # one module's A and B rows per rank, 32 layers, 2 bytes
+    assert slots_for_bytes(64 * per_rank, 131072) == 8 * slots_for_bytes(8 * per_rank, 131072) == 256
+    with pytest.raises(ValueError, match="slot_bytes > 0"):
+        slots_for_bytes(1, 0)
+
+
+def test_story_twelve_slots_shared_by_kv_and_adapters():
+    pool = UnifiedPool(12, slot_bytes=100)
+    assert kinds(pool) == {"adapter": 0, "kv_cached": 0, "kv_running": 0, "in_flight": 0, "free": 12}
+
+    # adapter A (250 B -> 3 slots) is copied in: reserved at the top, in flight until the copy ends
+    a = pool.reserve(pool.slots_for_bytes(250), contiguous=True)
+    assert a == SlotRuns(3, ((9, 3),)) and a.ids() == [9, 10, 11]
+    pool.move("in_flight", "adapter", a)
+    assert kinds(pool) == {"adapter": 3, "kv_cached": 0, "kv_running": 0, "in_flight": 0, "free": 9}
+
+    # a request reserves 4 tokens of KV: the lowest ids
+    kv = pool.alloc("kv_running", 4)
+    assert kv.runs == ((0, 4),)
+    # it finishes: 2 tokens go to the prefix cache, 2 were duplicates of cached KV and are freed
+    pool.move("kv_running", "kv_cached", [2, 3])
+    pool.release("kv_running", [0, 1])
+    assert kinds(pool) == {"adapter": 3, "kv_cached": 2, "kv_running": 0, "in_flight": 0, "free": 7}
+    assert pool.largest_free_run() == 5  # free: [0, 2) and [4, 9)
+
+    # adapter B (3 slots): best fit is [4, 9), taken from its top
+    b = pool.alloc("adapter", 3, contiguous=True)
+    assert b.runs == ((6, 3),)
+    # KV takes the lowest free ids, across runs
+    kv2 = pool.alloc("kv_running", 3)
+    assert kv2.ids() == [0, 1, 4]
+    assert kinds(pool) == {"adapter": 6, "kv_cached": 2, "kv_running": 3, "in_flight": 0, "free": 1}
+
+    # not now: more than is free returns None and changes nothing; never: more than the pool raises
+    assert not pool.can_fit(2) and pool.alloc("kv_running", 2) is None
+    with pytest.raises(ExceedsPoolError, match="13 slots .* holds 12 slots \\(1200 B\\)"):
+        pool.alloc("kv_running", 13)
+    assert kinds(pool)["free"] == 1
+
+    # B leaves, then the cached KV: free runs [2, 4) and [5, 9); slot 4 is still running KV
+    pool.release("adapter", b)
+    pool.release("kv_cached", [3, 2])
+    assert pool.largest_free_run() == 4 and kinds(pool)["free"] == 6
+    pool.release("kv_running", kv2)  # and then everything below A merges into [0, 9)
+    assert pool.largest_free_run() == 9 and kinds(pool)["free"] == 9
+
+
+def test_fragmented_adapter_gets_the_fewest_runs():
+    pool = UnifiedPool(12, slot_bytes=100)
+    pool.alloc("kv_cached", 12)
+    pool.release("kv_cached", [1, 2, 5, 8, 9, 10])  # free: [1, 3), [5, 6), [8, 11)
+    assert pool.largest_free_run() == 3
+    a = pool.alloc("adapter", 5, contiguous=True)  # no run of 5: largest first, each from its top
+    assert a.runs == ((8, 3), (1, 2)) and a.num_slots == 5
+    assert kinds(pool) == {"adapter": 5, "kv_cached": 6, "kv_running": 0, "in_flight": 0, "free": 1}
+
+
+def test_misuse_names_the_kind():
+    pool = UnifiedPool(12, slot_bytes=100)
+    kv = pool.alloc("kv_cached", 2)
+    with pytest.raises(AssertionError, match="2 slots of adapter given back but only 0 are held"):
+        pool.release("adapter", kv)
+    pool.alloc("adapter", 2)
+    with pytest.raises(AssertionError, match=r"slots \[0, 2\) are not all adapter"):
+        pool.release("adapter", kv)  # the counts allow it, the slots' kinds do not
+    pool.release("kv_cached", kv)
+    with pytest.raises(AssertionError, match="only 0 are held"):
+        pool.release("kv_cached", kv)  # freed twice
+    with pytest.raises(AssertionError, match="pass the ids"):
+        pool.release("adapter", 2)
+    with pytest.raises(ValueError, match="slot id 3 given twice"):
+        runs_of([3, 4, 3])
+    pool.check_invariants()
+
+
+def test_counts_only_mode_for_the_simulator():
+    pool = UnifiedPool(12, slot_bytes=100, track_ids=False)
+    assert pool.alloc("kv_running", 5) == SlotRuns(5)
+    pool.move("kv_running", "kv_cached", 3)
+    pool.release("kv_running", 2)
+    pool.release("kv_cached", [-1, -1])  # any sized sequence: the simulator's owner tags
+    assert kinds(pool) == {"adapter": 0, "kv_cached": 1, "kv_running": 0, "in_flight": 0, "free": 11}
+    assert pool.largest_free_run() == 11
+    with pytest.raises(AssertionError, match="only 1 are held"):
+        pool.release("kv_cached", 2)

@@ -1,0 +1,139 @@
+"""The starvation bound under adversarial arrivals (multiqueue.py states it): a request that heads
+its queue with its quota free is admitted by the next batch without a budget, and within
+`max_budget_skips + K` batches when every budget covers the largest cost.
+
+Streams: bursts of tiny requests against occasional large ones, everything in one queue, tiny and
+large alternating, and random sizes; requests larger than their queue's whole quota included.
+A request of size n costs n tokens and has WRS n / 2000 (see test_sched_batch.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_multilora.sched import (
+    MultiQueueScheduler,
+    OutputLengthPredictor,
+    SchedConfig,
+    SchedRequest,
+    WrsNormalizer,
+)
+
+PLANS = [([0.1, 0.3], [300, 800, 1000]), ([], [1000]), ([0.05, 0.2, 0.4], [200, 200, 600, 1000])]
+TINY, MEDIUM, LARGE = (10, 100), (300, 500), (900, 1500)  # LARGE may exceed a whole quota
+C_MAX = LARGE[1]
+NUM_ITERS = 40
+SKIPS = 3
+
+
+def sizes_for(pattern: str, it: int, data) -> list[int]:
+    draw = data.draw
+    if pattern == "tiny_bursts_vs_large":
+        burst = draw(st.lists(st.integers(*TINY), min_size=2, max_size=8))
+        return burst + ([draw(st.integers(*LARGE))] if it % 5 == 0 else [])
+    if pattern == "all_one_queue":
+        return draw(st.lists(st.integers(*MEDIUM), max_size=3))
+    if pattern == "alternating":
+        return [draw(st.integers(*(TINY if it % 2 else LARGE)))]
+    return draw(st.lists(st.integers(TINY[0], LARGE[1]), max_size=4))
+
+
+def make(plan, max_budget_skips=SKIPS) -> MultiQueueScheduler:
+    cutoffs, quotas = plan
+    cfg = SchedConfig(total_tokens=sum(quotas), requeue_s=math.inf,
+                      initial_norm=WrsNormalizer(1000, 1000, 8), max_budget_skips=max_budget_skips)
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
+    s.set_plan(cutoffs, quotas)
+    return s
+
+
+def request(rid: str, size: int, adapter: str = "a") -> SchedRequest:
+    return SchedRequest(rid, adapter, in_len=size // 2, rank=8, max_new_tokens=size - size // 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(pattern=st.sampled_from(["tiny_bursts_vs_large", "all_one_queue", "alternating", "random"]),
+       plan=st.sampled_from(PLANS),
+       durations=st.just([1]) | st.lists(st.integers(1, 6), min_size=1, max_size=8),
+       budget_slack=st.none() | st.integers(0, 100),
+       data=st.data())
+def test_head_with_free_quota_is_admitted_within_the_bound(pattern, plan, durations,
+                                                          budget_slack, data):
+    s = make(plan)
+    k = s.queues.num_queues
+    budget = None if budget_slack is None else C_MAX + budget_slack
+    bound = 1 if budget is None else SKIPS + k
+    ready_since: dict[str, int] = {}
+    finish_at: dict[str, int] = {}
+    num_admitted = 0
+    for it in range(NUM_ITERS):
+        for rid in [rid for rid, t in finish_at.items() if t == it]:
+            s.on_finish(rid, float(it))
+            del finish_at[rid]
+        for j, size in enumerate(sizes_for(pattern, it, data)):
+            s.add(request(f"{it}.{j}", size))
+        for q in range(k):
+            head = s.queues.head(q)
+            if head and (s.ledger.available(q) >= head.cost_tokens or s.ledger.held[q] == 0):
+                ready_since.setdefault(head.rid, it)
+        for r in s.build_batch(float(it), budget_tokens=budget):
+            if r.rid in ready_since:
+                calls = it - ready_since.pop(r.rid) + 1
+                assert calls <= bound, f"{r} waited {calls} batches with its quota free"
+            finish_at[r.rid] = it + durations[num_admitted % len(durations)]
+            num_admitted += 1
+        for rid, since in ready_since.items():
+            assert it - since + 1 < bound, f"{rid} ready since batch {since}, still queued"
+        s.check_invariants()
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(TINY[0], LARGE[1]), min_size=1, max_size=40),
+       adapters=st.lists(st.sampled_from("abcd"), min_size=1, max_size=40),
+       load_delay=st.integers(0, 5), plan=st.sampled_from(PLANS))
+def test_everyone_drains_while_adapters_load(sizes, adapters, load_delay, plan):
+    """Non-resident requests are passed over but not forgotten: once loads finish and arrivals
+    stop, every request runs."""
+    s = make(plan)
+    for i, size in enumerate(sizes):
+        s.add(request(str(i), size, adapters[i % len(adapters)]))
+    requested: dict[str, int] = {}
+    resident = {"a"}
+
+    def prefetch(adapter: str) -> bool:
+        requested.setdefault(adapter, it)
+        return True
+
+    running: list[str] = []
+    done = 0
+    for it in range(4 * len(sizes) + 20):
+        resident |= {a for a, t in requested.items() if it - t >= load_delay}
+        for rid in running:
+            s.on_finish(rid, float(it))
+        done += len(running)
+        running = [r.rid for r in s.build_batch(float(it), None, resident.__contains__, prefetch)]
+        s.check_invariants()
+        if done + len(running) == len(sizes):
+            break
+    assert done + len(running) == len(sizes) and len(s.queues) == 0
+
+
+def test_tiny_bursts_cannot_starve_a_large_request_under_a_tight_budget():
+    """Without promotion this large request would wait forever: the small queue re-admits 300
+    tokens every batch and leaves 1200 of the 1500 budget, below its 1400."""
+    s = make(PLANS[0])
+    s.add(request("large", 1400))
+    admitted_at = None
+    for it in range(20):
+        for rid in [rid for rid in s.running if rid != "large"]:
+            s.on_finish(rid, float(it))  # tiny requests last one batch
+        for j in range(4):
+            s.add(request(f"{it}.{j}", 100))
+        if "large" in {r.rid for r in s.build_batch(float(it), budget_tokens=1500)}:
+            admitted_at = it
+            break
+        s.check_invariants()
+    assert admitted_at == SKIPS  # skipped SKIPS times, then its queue went first

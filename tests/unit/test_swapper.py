@@ -1,0 +1,263 @@
+"""The swapper as stories on a twelve-slot pool: exact eviction order per policy, locks, running adapters and
+dependencies (aLoRA suffix KV below the base node keeps its adapter), prefetch up to the watermark, and the
+accounting after every step.
+
+The world of every story (slot ids in brackets; adapters loaded best fit from the top, KV from the bottom):
+```
+adapters  A (300 B, 3 slots [9-11])   B (100 B, 1 slot [8])   X (an aLoRA, 200 B, 2 slots [6-7])
+t=1  A request [1 2]         -> A's KV   [0 1]
+t=2  base request [5 6]      -> base KV  [2 3]
+t=3  X request [5 6 | 9]     -> reads [5 6], X's suffix [9] -> [4], hanging below base [5 6], depends on X
+t=3.5 B request [7]          -> B's KV   [5]                                  (pool full: 6 adapter + 6 KV)
+```
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.policy import create_policy
+from sgl_multilora.policy.base import BasePolicy
+from sgl_multilora.policy.context import AdapterRecord
+from sgl_multilora.policy.usage import UsageStats
+from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
+from sgl_multilora.residency import AdapterResidency
+from sgl_multilora.swapper import Swapper
+from sgl_multilora.tree import LoraRadixTree
+
+NS = Namespace("m")
+SIZES = {"A": 300, "B": 100, "X": 200}
+
+
+class Loader:
+    """Copies finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, tuple]] = []
+        self.done: set[str] = set()
+
+    def start(self, adapter_id, slots) -> None:
+        self.started.append((adapter_id, slots.runs))
+
+    def is_done(self, adapter_id) -> bool:
+        return adapter_id in self.done
+
+
+class AdaptersFirst(BasePolicy):
+    """A test policy that would evict any adapter before any KV: only the dependency rule stops it."""
+
+    def score(self, item, now):
+        return -1.0 if isinstance(item, AdapterRecord) else item.last_access
+
+
+class World:
+    def __init__(self, policy: str | BasePolicy = "lru", sizes: dict[str, int] = SIZES, **swapper_kw) -> None:
+        self.now = 0.0
+        self.pool = UnifiedPool(12, slot_bytes=100)
+        self.usage = UsageStats(sizes, 100, 1e-4, lambda num_bytes: num_bytes * 1e-6)
+        self.log: list = []  # evictions in order: KV slot ids, or an adapter id
+        world = self
+
+        class Residency(AdapterResidency):
+            def drop(self, adapter_id):
+                world.log.append(adapter_id)
+                super().drop(adapter_id)
+
+        self.residency = Residency(self.pool, {a: self.pool.slots_for_bytes(s) for a, s in sizes.items()},
+                                   self.usage)
+        self.policy = create_policy(policy, context=self.usage) if isinstance(policy, str) else policy
+        self.tree = LoraRadixTree(score=self.policy, clock=lambda: self.now)
+        self.loader = Loader()
+        self.swapper = Swapper(self.tree, self.pool, self.residency, self.policy, self.loader,
+                               headroom_frac=0.0, free_kv=self._free, **swapper_kw)
+
+    def _free(self, values) -> None:
+        self.log.append(list(values))
+        self.pool.release("kv_cached", values)
+
+    def load(self, *adapter_ids: str) -> None:
+        for a in adapter_ids:
+            assert self.swapper.load(a)
+            self.loader.done.add(a)
+        assert self.swapper.poll_loads() == list(adapter_ids)
+        self.check()
+
+    def key(self, adapter, tokens, start=None, ns=NS) -> MatchKey:
+        return MatchKey(ns, None if adapter is None else AdapterRef(adapter), tokens, alora_start=start)
+
+    def serve(self, t, adapter, tokens, start=None, ns=NS) -> None:
+        """A request that computes what it did not match and leaves its KV in the tree."""
+        self.now = t
+        self.usage.record_request(adapter, t)
+        key = self.key(adapter, tokens, start, ns)
+        m = self.tree.match(key)
+        new = self.pool.alloc("kv_running", len(tokens) - m.prefix_len).ids()
+        self.tree.insert(key, m.kv_values + new)
+        self.pool.move("kv_running", "kv_cached", new)
+        self.check()
+
+    def fill(self) -> None:
+        self.load("A", "B", "X")
+        assert [runs for _, runs in self.loader.started] == [((9, 3),), ((8, 1),), ((6, 2),)]
+        self.serve(1.0, "A", [1, 2])
+        self.serve(2.0, None, [5, 6])
+        self.serve(3.0, "X", [5, 6, 9], start=2)
+        self.serve(3.5, "B", [7])
+        assert self.kinds() == {"adapter": 6, "kv_cached": 6, "kv_running": 0, "in_flight": 0, "free": 0}
+
+    def kinds(self) -> dict[str, int]:
+        return self.pool.by_kind()
+
+    def check(self) -> None:
+        self.swapper.check_invariants()
+        self.tree.check_invariants()
+        assert self.swapper.invalid_kv_slots() == 0
+        assert self.pool.num_of("kv_cached") == self.tree.total_len()
+
+
+@pytest.mark.parametrize("policy,order", [
+    # LRU: last access only; base [5 6] (read at t=3) ties with X (requested at t=3): KV goes first
+    ("lru", [[0, 1], "A", [4], [2, 3], "X", [5], "B"]),
+    # ELORA (tau 1 s): A, idle for 3 s, goes right after its KV; base [5 6] was read twice, so it outlives
+    # B's fresher but once-used [7]
+    ("elora", [[0, 1], "A", [4], [5], [2, 3], "X", "B"]),
+    # Chameleon (0.45 F + 0.10 R + 0.45 S): size counts, so the largest adapter, A, goes last
+    ("chameleon", [[4], [5], [0, 1], "B", [2, 3], "X", "A"]),
+])
+def test_eviction_order_per_policy(policy, order):
+    w = World(policy)
+    w.fill()
+    w.now = 4.0
+    assert w.swapper.make_room(12)
+    assert w.log == order
+    # an adapter only ever goes after every KV that depends on it
+    assert w.log.index("A") > w.log.index([0, 1]) and w.log.index("X") > w.log.index([4])
+    assert w.log.index("B") > w.log.index([5])
+    assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
+    assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
+                                 "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0,
+                                 "invalid_kv_slots": 0}
+    w.check()
+
+
+def test_locks_running_adapters_and_dependencies():
+    w = World(AdaptersFirst())
+    w.load("A", "B", "X")
+    w.serve(1.0, "A", [1, 2])
+    w.serve(2.0, None, [5, 6])
+    w.serve(3.0, "X", [5, 6, 9], start=2)
+    assert w.kinds()["free"] == 1  # slot 5
+    # running: a request on B (no KV yet) and an aLoRA request holding X's suffix (which locks X and base)
+    w.residency.acquire("B")
+    held = w.tree.match(w.key("X", [5, 6, 9], start=2)).last_node
+    w.tree.lock(held)
+    w.check()
+
+    # B is running, X and base are locked; A is kept only by its KV: the KV goes, then A
+    assert w.swapper.make_room(5)
+    assert w.log == [[0, 1], "A"]
+    assert w.kinds() == {"adapter": 3, "kv_cached": 3, "kv_running": 0, "in_flight": 0, "free": 6}
+    w.check()
+
+    # not now: nothing left to evict; False and nothing changed
+    assert not w.swapper.make_room(8)
+    assert w.log == [[0, 1], "A"] and w.kinds()["free"] == 6
+
+    # B's request ends; protected B stays, unprotected B goes (still short: False)
+    w.residency.release("B")
+    assert not w.swapper.make_room(8, protect="B") and w.log == [[0, 1], "A"]
+    assert not w.swapper.make_room(8)
+    assert w.log == [[0, 1], "A", "B"] and w.kinds()["free"] == 7
+    w.check()
+
+    # the suffix hangs below base KV but depends on X: X becomes a candidate only once [9] is gone,
+    # although this policy ranks every adapter below every KV run
+    w.tree.unlock(held)
+    assert w.swapper.make_room(9)
+    assert w.log == [[0, 1], "A", "B", [4], "X"]
+    assert w.kinds() == {"adapter": 0, "kv_cached": 2, "kv_running": 0, "in_flight": 0, "free": 10}
+    w.check()
+
+    # never: more than the whole pool
+    with pytest.raises(ExceedsPoolError, match="13 slots \\(1300 B\\) but the whole pool holds 12 slots"):
+        w.swapper.make_room(13)
+
+
+def test_adapter_larger_than_the_pool_raises_naming_both_sizes():
+    with pytest.raises(ExceedsPoolError, match="adapter 'H' needs 13 slots \\(1300 B\\) but the whole pool "
+                                               "holds 12 slots \\(1200 B\\)") as err:
+        World(sizes={**SIZES, "H": 1250})
+    assert (err.value.num_slots, err.value.pool_slots) == (13, 12)
+
+
+def test_adapter_kv_in_two_namespaces_keeps_it_until_both_go():
+    w = World("lru")
+    w.load("A")
+    tenant = Namespace("m", cache_salt="t")
+    w.serve(1.0, "A", [1, 2])
+    w.serve(2.0, "A", [1, 2], ns=tenant)  # same tokens, another tenant: its own KV [2 3]
+    assert w.swapper.make_room(6)  # 5 free: A's KV in the first namespace goes, A stays for the tenant's
+    assert w.log == [[0, 1]] and w.residency.is_resident("A")
+    assert w.swapper.make_room(12)
+    assert w.log == [[0, 1], [2, 3], "A"]
+    assert w.tree.adapter_node(NS, AdapterRef("A")) is None and w.tree.adapter_node(tenant, AdapterRef("A")) is None
+    w.check()
+
+
+def test_on_demand_load_makes_room():
+    w = World("lru")
+    w.load("B")
+    w.serve(1.0, None, list(range(1, 11)))  # base KV [0-9]: 11 of 12 slots used
+    w.now = 2.0
+    assert w.swapper.load("A")  # 3 slots: B (requested never, last access 0) goes first, then the KV
+    assert w.log == ["B", list(range(10))] and w.residency.is_loading("A")
+    assert w.loader.started[-1] == ("A", ((9, 3),))
+    assert w.kinds() == {"adapter": 0, "kv_cached": 0, "kv_running": 0, "in_flight": 3, "free": 9}
+    c = w.swapper.counters
+    assert (c.adapter_loads, c.prefetches, c.adapter_evictions, c.kv_evictions) == (2, 0, 1, 1)
+    assert w.swapper.load("A")  # already loading: nothing to do
+    w.check()
+
+
+def test_prefetch_stops_at_the_watermark():
+    sizes = {"A": 300, "B": 100, "C": 400, "X": 200}
+    w = World("lru", sizes=sizes)  # idle_watermark 0.7 of 12 slots: 8.4
+    for t, a in ((1.0, "B"), (1.5, "X"), (2.0, "A"), (3.0, "C")):
+        w.usage.record_request(a, t)  # LRU: C, A, X, B from most to least recent
+    assert w.swapper.tick(4.0) == []
+    # C (4 slots) and A (3) start: 7 slots; X (2) would cross 8.4 and stops the pass, though B (1) would fit
+    assert w.loader.started == [("C", ((8, 4),)), ("A", ((5, 3),))]
+    assert w.kinds() == {"adapter": 0, "kv_cached": 0, "kv_running": 0, "in_flight": 7, "free": 5}
+    assert w.swapper.counters.prefetches == 2 and w.swapper.counters.adapter_loads == 0
+    w.check()
+    w.loader.done |= {"C", "A"}
+    assert w.swapper.tick(4.05) == ["C", "A"]  # loads complete at every tick; the next pass is at 4.1
+    assert w.kinds()["adapter"] == 7 and len(w.loader.started) == 2
+    w.check()
+    w.serve(4.08, None, [1])  # 8 slots used, below 8.4: X (2) still would cross
+    assert w.swapper.tick(4.1) == [] and len(w.loader.started) == 2
+    w.serve(4.15, None, [2])  # 9 slots used: above the watermark, no pass at all
+    assert w.swapper.tick(4.2) == [] and len(w.loader.started) == 2
+    assert w.swapper.make_room(5)  # busy: A (last requested at t=2) is the least recent item
+    assert w.log == ["A"]
+    w.check()
+
+
+def test_no_prefetch_and_bad_settings():
+    w = World("lru", prefetch=False)
+    w.usage.record_request("A", 1.0)
+    assert w.swapper.tick(2.0) == [] and w.loader.started == []
+    with pytest.raises(ValueError, match="idle_watermark"):
+        World("lru", idle_watermark=1.5)
+
+
+def test_without_the_dependency_rule_kv_is_left_invalid():
+    """ELORA's WOM ablation: the adapter goes by its score while its KV stays, useless until it returns."""
+    w = World(AdaptersFirst(), dependency=False)
+    w.load("A")
+    w.serve(1.0, "A", [1, 2])
+    assert w.swapper.make_room(10)  # 7 free: A (3 slots) goes first, its KV [0 1] stays
+    assert w.log == ["A"] and w.swapper.stats()["invalid_kv_slots"] == 2
+    assert w.kinds() == {"adapter": 0, "kv_cached": 2, "kv_running": 0, "in_flight": 0, "free": 10}
+    w.swapper.check_invariants()  # the accounting still holds; only the dependency rule is off
