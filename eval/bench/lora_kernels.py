@@ -1,6 +1,6 @@
 """Segmented LoRA kernels: our Triton shrink + expand vs the layer's dense base GEMM, a memory roofline, and SGLang's
 own Triton LoRA kernels, at Llama-3-8B projection shapes (one JSON line per shape).
-Not here: the kernels (triton_kernels/) or their correctness tests (tests/kernels/).
+Not here: the kernels (sgl_multilora/triton_kernels/) or their correctness tests (tests/kernels/).
 
 On a GPU: bf16, ranks 16 and 64, modules qkv (4096 -> 4096 + 1024 + 1024), o (4096 -> 4096), gate_up
 (4096 -> 2 x 14336) and down (14336 -> 4096); decode batches of 1..256 tokens (one token per request) on 1..64
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_multilora.segments import SegmentMeta as TokenLayout
+from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
@@ -157,7 +157,7 @@ def gpu_records(quick: bool):
         num_requests = num_tokens if phase == "decode" else max(num_adapters, num_tokens // 512)
         x, base_w, token_slot, weights, buffers = problem(module, rank, num_tokens, num_adapters, num_requests,
                                                           dtype, dev)
-        layout = TokenLayout.build(token_slot, num_adapters)
+        layout = SegmentMeta.build(token_slot, num_adapters)
         y0 = x @ base_w.t()
         y_ours, y_ref = y0.clone(), y0.clone()
         lora_forward(x, y_ours, layout, weights, impl="triton")
@@ -201,7 +201,7 @@ def cpu_records(quick: bool):
     for module, rank, num_tokens, num_adapters in shapes:
         x, base_w, token_slot, weights, _ = problem(module, rank, num_tokens, num_adapters, num_tokens,
                                                     torch.float32, "cpu")
-        layout = TokenLayout.build(token_slot, num_adapters)
+        layout = SegmentMeta.build(token_slot, num_adapters)
         y = torch.zeros(num_tokens, weights.out_features)
         lora_forward(x, y, layout, weights, impl="torch")
         check = torch.zeros_like(y)  # plain per-slot torch math, before timing

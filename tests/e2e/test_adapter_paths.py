@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.conftest import ADAPTERS_DIR, start_server
-from tests.oracle import assert_matches
+from tests.oracle import assert_matches, logprob_fields
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,8 @@ def load(server, name: str, path: str) -> requests.Response:
 
 def generate(server, input_ids, lora=None) -> requests.Response:
     return requests.post(server.url + "/generate", json={
-        "input_ids": input_ids, "lora_path": lora, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "input_ids": input_ids, "lora_path": lora, **logprob_fields(),
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
     }, timeout=300)
 
 
@@ -89,14 +90,16 @@ def test_adapters_inside_the_root_load_by_relative_path_and_match_peft(server, l
     root, _ = layout
     res = load(server, "checker", "check_caps")  # relative to the root
     assert res.status_code == 200, res.text
-    ids = tokenizer("Paris is the capital of France.", add_special_tokens=False).input_ids
-    ids += list(oracle_invocation(root / "check_caps"))
-    served = generate(server, ids, "checker")
-    assert served.status_code == 200, served.text
-    expected = oracle.greedy(str(root / "check_caps"), ids, 8)
-    assert_matches(served.json()["output_ids"], expected, "check_caps loaded by a relative path")
-    assert requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "checker"},
-                         timeout=120).status_code == 200
+    try:
+        ids = tokenizer("Paris is the capital of France.", add_special_tokens=False).input_ids
+        ids += list(oracle_invocation(root / "check_caps"))
+        served = generate(server, ids, "checker")
+        assert served.status_code == 200, served.text
+        expected = oracle.greedy(str(root / "check_caps"), ids, 8, ignore_eos=True)
+        assert_matches(served.json(), expected, "check_caps loaded by a relative path")
+    finally:
+        assert requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "checker"},
+                             timeout=120).status_code == 200
 
 
 def oracle_invocation(adapter_dir) -> tuple[int, ...]:
