@@ -559,12 +559,15 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_multilora.embedded import ensure_embedded_model
 
     run = Run(args, str(ensure_embedded_model()), argv)
+    # SIGTERM ends the run like Ctrl-C: the servers it started are stopped (`run.close`)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         if args.py_spy:
             run_profile(run, args.py_spy)
             return 0
         records = run_timing(run)
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave servers up
         run.close()
     write_summary(records, args.out)
     return 0

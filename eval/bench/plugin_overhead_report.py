@@ -153,7 +153,7 @@ def render_markdown(records: Sequence[dict], baseline: str = BASELINE) -> str:
         f"- server: `launch_server {shlex.join(setup['server_args'])}`",
         *(f"- arm `{a}`: {setup['arm_setup'][a]}" for a in arms),
         (
-            f"- {setup['repeats']} repeats, arms interleaved (round-robin order rotated per "
+            f"- {_repeats(records)}, arms interleaved (round-robin order rotated per "
             f"repeat); servers {setup['servers']}; prefix cache flushed before each measurement"
         ),
         (
@@ -207,7 +207,21 @@ def render_markdown(records: Sequence[dict], baseline: str = BASELINE) -> str:
         lines.append(
             f"- Noise: `{baseline}`'s own max / min over its {noise[0][1].n} repeats: {own}."
         )
+    pairs = [rel[a][k] for a in others for k in HEADLINE if k in rel.get(a, {})]
+    if pairs:
+        one_side = sum(r.low > 1.0 or r.high < 1.0 for r in pairs)
+        lines.append(
+            f"- Of the {len(pairs)} ratios above (arm x the goal's three metrics), {one_side} have "
+            "every repeat on the same side of 1; the others move with the repeat, not with the arm."
+        )
     return "\n".join(lines) + "\n"
+
+
+def _repeats(records: Sequence[dict]) -> str:
+    """How many repeats the records hold, and how many were planned when that differs."""
+    done = len({r["setup"]["repeat"] for r in records})
+    planned = records[0]["setup"]["repeats"]
+    return f"{done} repeats" if done == planned else f"{done} repeats (of {planned} planned)"
 
 
 def _cell(s: Spread | None, fmt: str) -> str:

@@ -115,6 +115,12 @@ def test_markdown_table_and_conclusion_come_from_the_numbers():
     assert "output throughput (tok/s): 100.0% worse (over the 5% budget" in md
     assert "load average (1 min) 1.00 to 3.00" in md
     assert "over its 3 repeats: mean TTFT (ms) 20%" in md  # the baseline's own spread: 120 / 100
+    assert "- 3 repeats, arms interleaved" in md
+    # one side in every repeat: plugin's TTFT, plugin+tree's TTFT and throughput; at 1 in some
+    # repeat: plugin's TPOT and throughput, plugin+tree's TPOT
+    assert "Of the 6 ratios above (arm x the goal's three metrics), 3 have every repeat" in md
+    interrupted = [r for r in records() if r["setup"]["repeat"] < 2]
+    assert "- 2 repeats (of 3 planned), arms interleaved" in render_markdown(interrupted)
 
 
 def test_an_arm_faster_than_the_baseline_meets_the_budget():
