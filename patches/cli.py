@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from sgl_multilora.patches import flags
@@ -23,5 +24,7 @@ def from_cli_args(original, cls, args):
         given = list(getattr(args, "lora_paths", None) or [])
         args.lora_paths = given + [f"{name}={os.path.join(ours.adapter_dir, name)}" for name in found]
         args.enable_lora = True
+    ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
+                               and not getattr(args, "disable_radix_cache", False))
     flags.export(ours)
     return original(cls, args)

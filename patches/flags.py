@@ -49,6 +49,18 @@ class MultiLoRAArgs:
     # Test mode: check the LoRA-aware tree's invariants after every scheduler step (an assertion stops the server);
     # pair it with SGLang's SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1 for the KV slot accounting.
     check_invariants: bool = False
+    # Adapter weights and KV in one pool (`unified`: an adapter made resident takes KV slots and gives them back
+    # when evicted) or SGLang's separate adapter tensors (`separate`, for comparison). Only with
+    # `--radix-cache-backend multilora`.
+    memory: str = "unified"
+    # The score the swapper evicts by (lowest first): `elora` (ELORA's cost model), `chameleon`, `lru`.
+    eviction_policy: str = "elora"
+    # How often the idle swapper may prefetch adapters (milliseconds).
+    swap_interval_ms: float = 100.0
+    # Prefetch adapters only while the pool is used below this fraction.
+    idle_watermark: float = 0.7
+    # Set at parse time: the radix-cache backend is ours (the unified pool needs it).
+    radix_backend: bool = False
 
     @property
     def max_adapter_bytes(self) -> int:
@@ -59,6 +71,15 @@ LORA_COMPUTE_CHOICES = ("auto", "sglang")
 EXTEND_ATTENTION_CHOICES = ("ours", "stock")
 LORA_OPS_CHOICES = ("auto", "triton", "torch", "flashinfer")
 INGRESS_CHOICES = ("strict", "stock")
+MEMORY_CHOICES = ("unified", "separate")
+EVICTION_POLICY_CHOICES = ("elora", "chameleon", "lru")
+
+
+def unified_memory_requested() -> bool:
+    """The server runs one pool for adapters and KV: `--radix-cache-backend multilora` with `--multilora-memory
+    unified` (the default)."""
+    args = current()
+    return args.radix_backend and args.memory == "unified"
 
 
 def _adapter_dir(value: str) -> str:
@@ -83,6 +104,26 @@ def _positive_int(value: str) -> int:
         number = 0
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return number
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number between 0 and 1")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number")
     return number
 
 
@@ -142,6 +183,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "stops the server with the failed invariant).",
     )
     group.add_argument(
+        "--multilora-memory",
+        choices=MEMORY_CHOICES,
+        default=MultiLoRAArgs.memory,
+        help="'unified' (default with --radix-cache-backend multilora): adapter weights live in KV slots of one "
+        "pool, evicted and prefetched with the KV by one score; 'separate': adapters in their own tensors.",
+    )
+    group.add_argument(
+        "--multilora-eviction-policy",
+        choices=EVICTION_POLICY_CHOICES,
+        default=MultiLoRAArgs.eviction_policy,
+        help="Score for evicting KV and adapters from the unified pool: 'elora' (cost model), 'chameleon', 'lru'.",
+    )
+    group.add_argument(
+        "--multilora-swap-interval-ms",
+        type=_positive_float,
+        default=MultiLoRAArgs.swap_interval_ms,
+        metavar="MS",
+        help="How often the idle swapper may prefetch adapters into the unified pool.",
+    )
+    group.add_argument(
+        "--multilora-idle-watermark",
+        type=_fraction,
+        default=MultiLoRAArgs.idle_watermark,
+        metavar="FRACTION",
+        help="Prefetch adapters only while the unified pool is used below this fraction.",
+    )
+    group.add_argument(
         "--multilora-lora-ops",
         choices=LORA_OPS_CHOICES,
         default=MultiLoRAArgs.lora_ops,
@@ -154,6 +222,8 @@ def pop_from_namespace(namespace: argparse.Namespace) -> MultiLoRAArgs:
     """Removes the `multilora_*` attributes from a parsed namespace and returns them as a record."""
     values = {}
     for f in fields(MultiLoRAArgs):
+        if f.name == "radix_backend":
+            continue
         attr = PREFIX + f.name
         if hasattr(namespace, attr):
             values[f.name] = getattr(namespace, attr)

@@ -31,6 +31,7 @@ from sgl_multilora.adapters import (
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
+from sgl_multilora.pool import ExceedsPoolError
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class TransformersLoRA:
         adapter = load_adapter(lora_ref.lora_path, self.shape, name=lora_ref.lora_name,
                                max_weights_bytes=flags.current().max_adapter_bytes)
         dtype = self.layers[0].base_dtype if self.layers else torch.float32
-        device = self.manager.device
+        # With the unified pool this is the host copy (slots hold the serving copy); otherwise the serving copy.
+        device = "cpu" if flags.unified_memory_requested() else self.manager.device
         adapter.weights = {k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in adapter.weights.items()}
         self.registry.stage(lora_ref.lora_id, adapter)
 
@@ -73,8 +75,24 @@ class TransformersLoRA:
             if uid is not None and key is None:
                 raise RuntimeError(f"LoRA adapter id {uid} is in the batch but not loaded")
         starts = self._lora_starts(forward_batch, keys)
-        self.step.prepare(keys, new_token_lens, starts, self.adapters,
+        self.step.prepare(keys, new_token_lens, starts, self._step_weights(keys),
                           num_slots=self.manager.max_loras_per_batch, device=self.manager.device)
+
+    def _step_weights(self, keys: list[str | None]):
+        """id -> the weights the step computes with: with the unified pool, views of the adapters' slots (each
+        must be resident: admission made it so); otherwise the registry's own tensors."""
+        memory = process_state().memory
+        if memory is None:
+            return self.adapters
+        weights = {}
+        for key in keys:
+            if key is None or key in weights:
+                continue
+            resident = memory.weights(self.registry.identity(key) or self.adapters[key].spec.identity)
+            if resident is None:
+                raise RuntimeError(f"LoRA adapter id {key} is in the batch but its weights are not resident")
+            weights[key] = resident
+        return weights
 
     def _lora_starts(self, forward_batch, keys: list[str | None]) -> list[int] | None:
         """Per request, the first new token the adapter applies to: 0 for a standard LoRA; for an aLoRA, its
@@ -185,25 +203,34 @@ def load_lora_adapter(original, self, lora_ref):
     except AdapterError as e:
         return self.create_lora_update_result(success=False, error_message=str(e))
     state = _state(self)
+    memory = process_state().memory
     if state is not None:  # after start-up: validate against the model before SGLang touches anything
         try:
             state.load(lora_ref)
-        except AdapterError as e:
+            if memory is not None:
+                memory.check_fits(process_state().adapters.loaded(lora_ref.lora_id))
+        except (AdapterError, ExceedsPoolError) as e:
+            process_state().adapters.remove(lora_ref.lora_id)
             return self.create_lora_update_result(success=False, error_message=str(e))
     result = original(self, lora_ref)
     if result.success:
         process_state().adapters.add(lora_ref.lora_id, spec)
         if state is not None:
             drop_sglang_weights(self, lora_ref.lora_id)
+            if memory is not None:
+                memory.register(lora_ref.lora_id, process_state().adapters.loaded(lora_ref.lora_id))
     else:
         process_state().adapters.remove(lora_ref.lora_id)
     return result
 
 
 def unload_lora_adapter(original, self, lora_ref):
+    identity = process_state().adapters.identity(lora_ref.lora_id)
     result = original(self, lora_ref)
     if result.success:
         process_state().adapters.remove(lora_ref.lora_id)
+        if process_state().memory is not None:
+            process_state().memory.unregister(lora_ref.lora_id, identity)
         state = _state(self)
         if state is not None:
             for layer in state.layers:  # weight tables would keep the unloaded adapter's tensors alive

@@ -29,6 +29,7 @@ from sgl_multilora.adapters import find_invocation_start
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
 from sgl_multilora.patches.ingress import decode_extra_key
 from sgl_multilora.patches.state import process_state
+from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind, TreeStats
 
@@ -46,7 +47,17 @@ class MultiLoRARadixCache(RadixCache):
         self.adapters = process_state().adapters  # the process's adapter owner: lora_id -> spec
         self._last_stats_log = time.monotonic()
         self._adapter_refs: dict[str, AdapterRef] = {}  # identity -> its (immutable) key object
+        self.memory: LiveMemory | None = None
         super().__init__(params)
+        allocator = self.token_to_kv_pool_allocator
+        if isinstance(allocator, UnifiedTokenAllocator):
+            self.memory = LiveMemory(allocator, self.tree)
+            state = process_state()
+            for lora_id, adapter in state.adapters.loaded_items():
+                self.memory.register(lora_id, adapter)
+            state.memory = self.memory
+            logger.info("sgl_multilora: one pool for adapters and KV: %d slots of %d B, eviction policy %s",
+                        allocator.pool.num_slots, allocator.pool.slot_bytes, self.memory.policy.name)
 
     # ---- keys -------------------------------------------------------------------------------------------------
 
@@ -89,6 +100,10 @@ class MultiLoRARadixCache(RadixCache):
     def reset(self):
         super().reset()
         self.tree = LoraRadixTree(page_size=self.page_size)
+        memory = getattr(self, "memory", None)
+        if memory is not None:  # a flush: the same adapters and pool, a new tree
+            memory.swapper.tree = self.tree
+            self.tree.score = memory.policy
         self.root_node = self.tree.root
         self._empty_match_result = MatchResult(
             device_prefix_len=0,
@@ -120,7 +135,10 @@ class MultiLoRARadixCache(RadixCache):
         if self.disable:
             return InsertResult(prefix_len=0)
         key = self._key_without_req(params.key)
-        result = self.tree.insert(key, params.value.tolist())
+        values = params.value.tolist()
+        result = self.tree.insert(key, values)
+        if self.memory is not None:
+            self.token_to_kv_pool_allocator.mark_cached(values[result.prefix_len:])
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
     def checkpoint(self, req, *, up_to: int):
@@ -130,7 +148,10 @@ class MultiLoRARadixCache(RadixCache):
         aligned_len = len(token_ids) // self.page_size * self.page_size
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :aligned_len]
         values = kv_indices.to(dtype=torch.int64, copy=True)
-        result = self.tree.insert(self._key_for_req(req, token_ids[:aligned_len]), values.tolist())
+        value_list = values.tolist()
+        result = self.tree.insert(self._key_for_req(req, token_ids[:aligned_len]), value_list)
+        if self.memory is not None:  # the rows the tree did not have are its own now
+            self.token_to_kv_pool_allocator.mark_cached(value_list[result.prefix_len:])
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned_len)
         # The tree kept its own slots for [0, prefix_len): free this request's duplicates past the protected part.
         self.token_to_kv_pool_allocator.free_segment(
@@ -151,6 +172,10 @@ class MultiLoRARadixCache(RadixCache):
         if self.disable:
             return EvictResult()
         start = time.perf_counter()
+        if self.memory is not None:
+            num_evicted = self.memory.evict(params.num_tokens)
+            self.update_eviction_metrics(num_evicted, start)
+            return EvictResult(num_tokens_evicted=num_evicted)
         allocator = self.token_to_kv_pool_allocator
 
         def free(values: list[int]) -> None:
@@ -185,10 +210,14 @@ class MultiLoRARadixCache(RadixCache):
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def evictable_size(self):
-        return self.tree.evictable_len()
+        if self.memory is None:
+            return self.tree.evictable_len()
+        return self.tree.evictable_len() + self.memory.evictable_adapter_slots()
 
     def protected_size(self):
-        return self.tree.protected_len()
+        if self.memory is None:
+            return self.tree.protected_len()
+        return self.tree.protected_len() + self.memory.pinned_slots()
 
     def total_size(self):
         return self.tree.total_len()
@@ -206,7 +235,9 @@ class MultiLoRARadixCache(RadixCache):
     def check_invariants(self) -> None:
         """The tree's invariants plus SGLang's view: tree sizes agree with what it reports to the scheduler."""
         self.tree.check_invariants()
-        assert self.evictable_size() + self.protected_size() == self.total_size()
+        assert self.tree.evictable_len() + self.tree.protected_len() == self.total_size()
+        if self.memory is not None:
+            self.memory.check_invariants()
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -220,6 +251,11 @@ class MultiLoRARadixCache(RadixCache):
             dict(s.hit_tokens), s.num_kv_nodes, s.total_len, s.evictable_len, s.protected_len,
             s.num_adapter_nodes, s.num_evicted_tokens,
         )
+        if self.memory is not None:
+            m = self.memory.stats()
+            logger.info("multilora pool (MiB): %s; resident adapters %d/%d; swapper %s",
+                        {k: round(v / 2**20, 2) for k, v in m["bytes"].items()},
+                        m["adapters"]["resident"], m["adapters"]["registered"], m["swapper"])
 
 
 def create(ctx) -> MultiLoRARadixCache:

@@ -21,6 +21,8 @@ def scheduler_internal_state(result, self, *args, **kwargs):
     memory = kv_accounting(self)
     if memory is not None:
         memory["adapters"] = adapter_accounting(self)
+        if process_state().memory is not None:
+            memory["unified_pool"] = process_state().memory.stats()
     result.internal_state["multilora_memory"] = memory
     return result
 
@@ -90,6 +92,8 @@ def adapter_accounting(scheduler) -> dict | None:
         loaded = process_state().adapters.loaded_items()
         weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in loaded}
         slots = 0
+        if process_state().memory is not None:  # the registry's copies are the host tier; slots hold the rest
+            host, weights = weights, {}
     else:
         weights = {}
         pool = getattr(manager, "memory_pool", None)

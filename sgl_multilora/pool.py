@@ -180,6 +180,22 @@ class UnifiedPool:
             self._kind_of[start:start + length] = bytes(length)
             self._give_back(start, length)
 
+    def release_all(self, kind: str) -> int:
+        """Frees every slot of `kind` (a cache flush); returns how many. With ids: one scan of the kind codes."""
+        assert kind in _CODE, f"unknown slot kind {kind!r}; kinds: {KINDS}"
+        n = self._num[kind]
+        if not n:
+            return 0
+        if not self.track_ids:
+            self.release(kind, n)
+            return n
+        code, ids = _CODE[kind], []
+        for s, c in enumerate(self._kind_of):
+            if c == code:
+                ids.append(s)
+        self.release(kind, ids)
+        return n
+
     # ---- invariants ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

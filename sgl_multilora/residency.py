@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 class Loader(Protocol):
     """Copies an adapter's weights from the host into its slots; supplied by the caller (the simulator's
-    PCIe link, the server's copy stream). `start` begins the copy and returns at once; `is_done` is a pure
+    PCIe link, the server's copy stream). `start` begins the copy and returns at once, or returns False to
+    refuse slots it cannot use (runs too short for a weight matrix to sit whole in one); `is_done` is a pure
     query that becomes True once the weights can be read."""
 
-    def start(self, adapter_id: str, slots: SlotRuns) -> None: ...
+    def start(self, adapter_id: str, slots: SlotRuns) -> bool | None: ...
     def is_done(self, adapter_id: str) -> bool: ...
 
 
@@ -71,6 +72,13 @@ class AdapterResidency:
             raise ExceedsPoolError(f"adapter {adapter_id!r}", num_slots, self.pool.num_slots,
                                    self.pool.slot_bytes)
         self._entries[adapter_id] = AdapterEntry(adapter_id, num_slots)
+
+    def remove(self, adapter_id: str) -> None:
+        """Forgets an absent adapter (unloaded by its user). Asserts it is absent and unused."""
+        e = self._entries[adapter_id]
+        assert e.state is AdapterState.ABSENT and e.num_running == 0, (
+            f"removing adapter {adapter_id!r} that is {e.state.value} with {e.num_running} running requests")
+        del self._entries[adapter_id]
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -134,6 +142,14 @@ class AdapterResidency:
         if self.usage is not None:
             self.usage.set_resident(adapter_id, True)
 
+    def abort_load(self, adapter_id: str) -> None:
+        """A copy that cannot go on (its slots cannot hold the weights): frees the reserved slots; absent."""
+        e = self._entries[adapter_id]
+        assert e.state is AdapterState.LOADING, f"aborting adapter {adapter_id!r} that is {e.state.value}"
+        self.pool.release("in_flight", e.slots)
+        e.state, e.slots = AdapterState.ABSENT, None
+        del self._loading[adapter_id]
+
     def complete_loads(self, loader: Loader) -> list[str]:
         """Finishes every load `loader` reports done, in the order they started; returns their ids."""
         done = [a for a in self._loading if loader.is_done(a)]
@@ -162,6 +178,16 @@ class AdapterResidency:
         e = self._entries[adapter_id]
         assert e.num_running > 0, f"release of adapter {adapter_id!r} that no running request holds"
         e.num_running -= 1
+
+    def set_running(self, counts: dict[str, int]) -> None:
+        """Sets every adapter's running-request count at once (absent ids: 0), for an owner that reads them
+        off its scheduler's batches instead of counting admissions and finishes. Asserts that only resident
+        adapters run."""
+        for adapter_id, e in self._entries.items():
+            n = counts.get(adapter_id, 0)
+            assert n == 0 or e.state is AdapterState.RESIDENT, (
+                f"{n} running requests on adapter {adapter_id!r}, which is {e.state.value}")
+            e.num_running = n
 
     # ---- invariants ------------------------------------------------------------------------------
 

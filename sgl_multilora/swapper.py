@@ -54,6 +54,7 @@ class SwapperCounters:
     adapter_evicted_slots: int = 0
     adapter_loads: int = 0
     prefetches: int = 0
+    refused_loads: int = 0  # loads the loader refused (slots it cannot use, e.g. runs too short)
 
 
 class Swapper:
@@ -87,21 +88,23 @@ class Swapper:
 
     # ---- busy: evict -----------------------------------------------------------------------------
 
-    def make_room(self, num_slots: int, protect: str | None = None) -> bool:
-        """Evicts in ascending score until `num_slots` (+ headroom) are free; True if `num_slots` fit.
+    def make_room(self, num_slots: int, protect: str | None = None, *, run: int = 0) -> bool:
+        """Evicts in ascending score until `num_slots` (+ headroom) are free and, with `run`, some run of
+        `run` consecutive slots is free; True once both hold.
 
         Never evicts locked KV, an adapter a running request uses or that resident KV depends on, or the
         adapter `protect`. False ("not now") when the candidates run out first. Raises ExceedsPoolError for
         more slots than the whole pool."""
         pool = self.pool
-        if num_slots > pool.num_slots:
-            raise ExceedsPoolError(f"{num_slots} slots", num_slots, pool.num_slots, pool.slot_bytes)
-        if pool.can_fit(num_slots):
+        if num_slots > pool.num_slots or run > pool.num_slots:
+            n = max(num_slots, run)
+            raise ExceedsPoolError(f"{n} slots", n, pool.num_slots, pool.slot_bytes)
+        if pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run):
             return True
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
         heap = self._heap(protect, now)
-        while heap and pool.num_free < target:
+        while heap and (pool.num_free < target or (run and pool.largest_free_run() < run)):
             item = heapq.heappop(heap)[3]
             if isinstance(item, str):
                 if self._adapter_evictable(item, protect):
@@ -123,7 +126,7 @@ class Swapper:
                     name = adapter.label.identity
                     if self._adapter_evictable(name, protect):
                         heapq.heappush(heap, (score(self.records[name], now), 1, name, name))
-        return pool.can_fit(num_slots)
+        return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
     def adapter_evictable(self, adapter_id: str, protect: str | None = None) -> bool:
         """Resident, used by no running request, not `protect`, and (with the dependency rule) no KV in any
@@ -144,7 +147,11 @@ class Swapper:
                                    self.pool.slot_bytes)
         if not self.pool.can_fit(e.num_slots) and not self.make_room(e.num_slots, protect=adapter_id):
             return False
-        self._start(adapter_id)
+        if not self._start(adapter_id):
+            # The loader cannot use the free runs (too short for a weight matrix): free one run that holds the
+            # whole adapter, evicting on in ascending score, and try once more.
+            if not self.make_room(e.num_slots, protect=adapter_id, run=e.num_slots) or not self._start(adapter_id):
+                return False
         self.counters.adapter_loads += 1
         return True
 
@@ -169,7 +176,8 @@ class Swapper:
         for adapter_id in cold:
             if self.pool.num_used + res.entry(adapter_id).num_slots > limit:
                 break
-            self._start(adapter_id)
+            if not self._start(adapter_id):
+                break
             self.counters.prefetches += 1
         return done
 
@@ -242,10 +250,15 @@ class Swapper:
         self.counters.adapter_evictions += 1
         self.counters.adapter_evicted_slots += num_slots
 
-    def _start(self, adapter_id: str) -> None:
+    def _start(self, adapter_id: str) -> bool:
+        """Reserves the slots and starts the copy; False (slots given back) if the loader refuses them."""
         slots = self.residency.begin_load(adapter_id)
         assert slots is not None, f"no room to load adapter {adapter_id!r}: check can_fit first"
-        self.loader.start(adapter_id, slots)
+        if self.loader.start(adapter_id, slots) is False:
+            self.residency.abort_load(adapter_id)
+            self.counters.refused_loads += 1
+            return False
+        return True
 
     def _release_kv(self, values: list[int]) -> None:
         self.pool.release("kv_cached", values)

@@ -35,8 +35,6 @@ class UsageStats:
     def __init__(self, adapters: dict[str, int], kv_bytes_per_token: int,
                  kv_reload_s_per_token: float, adapter_reload_s: Callable[[int], float],
                  window_s: float = 60.0, batch_window_s: float = 5.0) -> None:
-        if not adapters:
-            raise ValueError("UsageStats needs at least one adapter")
         self.records = {name: AdapterRecord(name, size) for name, size in adapters.items()}
         self.kv_bytes_per_token = kv_bytes_per_token
         self.kv_reload_s_per_token = kv_reload_s_per_token
@@ -51,7 +49,7 @@ class UsageStats:
         self._batches: deque[tuple[float, int]] = deque()
         self._batch_sum = 0
         self._num_resident = 0
-        self._max_size_bytes = max(adapters.values())
+        self._max_size_bytes = max(adapters.values(), default=0)
         self._low: float | None = None  # cached Low_lora, reset by every update it depends on
 
     # ---- updates (the owner calls these) ---------------------------------------------------------
@@ -83,6 +81,24 @@ class UsageStats:
         if rec.resident != resident:
             self._num_resident += 1 if resident else -1
             rec.resident = resident
+
+    def add_adapter(self, name: str, size_bytes: int) -> None:
+        """Starts keeping a record for an adapter loaded after start-up (not resident, never used)."""
+        assert name not in self.records, f"adapter {name!r} recorded twice"
+        self.records[name] = AdapterRecord(name, size_bytes)
+        self._uses[name] = 0
+        self._max_size_bytes = max(self._max_size_bytes, size_bytes)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forgets an unloaded adapter's record (it must not be resident)."""
+        assert not self.records[name].resident, f"forgetting adapter {name!r} while it is resident"
+        del self.records[name]
+        del self._uses[name]
+        self._window = deque(entry for entry in self._window if entry[1] != name)
+        self._window_counts.pop(name, None)
+        self._max_size_bytes = max((r.size_bytes for r in self.records.values()), default=0)
+        self._max_uses = max(self._uses.values(), default=0)
+        self._low = None
 
     def _expire(self, now: float) -> None:
         while self._window and self._window[0][0] < now - self.window_s:

@@ -231,7 +231,10 @@ def test_tree_sizes_count_the_cached_tokens(server, tokenizer):
         tree, memory = wait_idle(server)
         sizes.append((tree["num_kv_nodes"], tree["total_len"]))
         assert tree["protected_len"] == 0 and tree["evictable_len"] == tree["total_len"], tree
-        assert memory["total"] - memory["free"] == tree["total_len"], (memory, tree)
+        # used slots: the tree's KV, plus the adapters resident in the unified pool (the tree server's default)
+        adapter_slots = memory["unified_pool"]["slots"]["adapter"]
+        assert memory["unified_pool"]["slots"]["kv_cached"] == tree["total_len"], (memory, tree)
+        assert memory["total"] - memory["free"] == tree["total_len"] + adapter_slots, (memory, tree)
     assert second[:p] == first[:p] and second[p] != first[p]
     assert sizes == [(2, len(first) + m - 1), (5, len(first) + m - 1 + len(second) + m - 1 - p)], sizes
     s = stats(server)

@@ -33,7 +33,7 @@ def server(model_path):
     handle = start_server(model_path, [
         "--enable-lora", "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4",
         "--max-lora-rank", "32", "--radix-cache-backend", "multilora", "--chunked-prefill-size", "96",
-        "--multilora-check-invariants",
+        "--multilora-check-invariants", "--multilora-memory", "separate",  # the KV budget is KV's alone here
     ], name="e2e_memory_pressure", max_total_tokens=BUDGET_TOKENS,
         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
     yield handle

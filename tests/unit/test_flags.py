@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import multiprocessing
 
 import pytest
@@ -33,6 +35,10 @@ def test_defaults_and_values(tmp_path):
     [
         (["--multilora-lora-compute", "fast"], "invalid choice: 'fast'"),
         (["--multilora-adapter-dir", "/no/such/dir"], "is not a directory"),
+        (["--multilora-memory", "shared"], "invalid choice: 'shared'"),
+        (["--multilora-eviction-policy", "fifo"], "invalid choice: 'fifo'"),
+        (["--multilora-idle-watermark", "1.5"], "is not a number between 0 and 1"),
+        (["--multilora-swap-interval-ms", "0"], "is not a positive number"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, message, capsys):
@@ -67,3 +73,17 @@ def test_exported_flags_reach_spawned_processes(monkeypatch):
     finally:
         monkeypatch.delenv(flags.ENV_VAR, raising=False)
         assert flags.current() == flags.MultiLoRAArgs()  # defaults again once the variable is gone
+
+
+def test_memory_flags(monkeypatch):
+    ns = parser().parse_args(["--multilora-memory", "separate", "--multilora-eviction-policy", "lru",
+                              "--multilora-idle-watermark", "0.5", "--multilora-swap-interval-ms", "20"])
+    ours = flags.pop_from_namespace(ns)
+    assert (ours.memory, ours.eviction_policy, ours.idle_watermark, ours.swap_interval_ms) == (
+        "separate", "lru", 0.5, 20.0)
+    # the unified pool needs the tree backend (set at parse time) and `unified`
+    for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
+                                            (True, "separate", False)]:
+        args = dataclasses.replace(flags.MultiLoRAArgs(), radix_backend=radix_backend, memory=memory)
+        monkeypatch.setenv(flags.ENV_VAR, json.dumps(dataclasses.asdict(args)))
+        assert flags.unified_memory_requested() is expected

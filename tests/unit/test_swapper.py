@@ -136,7 +136,7 @@ def test_eviction_order_per_policy(policy, order):
     assert w.log.index("B") > w.log.index([5])
     assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
     assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
-                                 "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0,
+                                 "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0, "refused_loads": 0,
                                  "invalid_kv_slots": 0}
     w.check()
 
@@ -261,3 +261,61 @@ def test_without_the_dependency_rule_kv_is_left_invalid():
     assert w.log == ["A"] and w.swapper.stats()["invalid_kv_slots"] == 2
     assert w.kinds() == {"adapter": 0, "kv_cached": 2, "kv_running": 0, "in_flight": 0, "free": 10}
     w.swapper.check_invariants()  # the accounting still holds; only the dependency rule is off
+
+
+class OneRunLoader(Loader):
+    """A loader whose copies need one run (as weight matrices placed whole do): it refuses several runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[tuple] = []
+
+    def start(self, adapter_id, slots):
+        if len(slots.runs) > 1:
+            self.refused.append(slots.runs)
+            return False
+        return super().start(adapter_id, slots)
+
+
+def test_a_refused_load_frees_one_run_long_enough_and_retries():
+    """Fragmented free slots: [2 3] and [5] free (3 slots) is room enough for A (3 slots) by count, but not in
+    one run. The loader refuses the runs; the swapper gives them back (nothing leaks), evicts on in ascending
+    score until a run of 3 is free, and the retried load gets it."""
+    w = World("lru")
+    w.loader = OneRunLoader()
+    w.swapper.loader = w.loader
+    w.load("B")  # B: [11]
+    w.serve(1.0, None, [1, 2])  # [0 1]
+    w.serve(2.0, None, [3, 4])  # [2 3]
+    w.serve(3.0, None, [5])  # [4]
+    w.serve(4.0, None, [6])  # [5]
+    w.serve(5.0, None, [7, 8, 9, 10, 11])  # [6-10]
+    assert w.pool.num_free == 0
+    w.now = 6.0
+    w.tree.evict_leaf(w.tree.match(w.key(None, [3, 4])).last_node, w._free)  # frees [2 3]
+    w.tree.evict_leaf(w.tree.match(w.key(None, [6])).last_node, w._free)  # frees [5]
+    w.log.clear()
+    assert w.pool.num_free == 3 and w.pool.largest_free_run() == 2
+    assert w.swapper.load("A")
+    assert w.loader.refused == [((2, 2), (5, 1))]
+    assert w.swapper.counters.refused_loads == 1 and w.swapper.counters.adapter_loads == 2  # B, then A
+    # LRU: B (never requested) frees [11], still no run of 3; then the oldest KV [0 1] makes [0-3] free
+    assert w.log == ["B", [0, 1]]
+    assert [r for a, r in w.loader.started if a == "A"] == [((1, 3),)]  # best fit from the top of [0-3]
+    w.loader.done.add("A")
+    w.swapper.poll_loads()
+    w.check()
+
+
+def test_make_room_for_a_run_never_evicts_protected_and_says_not_now():
+    w = World("lru")
+    w.load("A", "B", "X")  # [9-11], [8], [6-7]
+    w.serve(1.0, None, [1, 2, 3, 4, 5, 6])  # [0-5]: the pool is full
+    m = w.tree.match(w.key(None, [1, 2, 3, 4, 5, 6]))
+    w.tree.lock(m.last_node)  # a running request holds the base KV
+    w.residency.acquire("A"), w.residency.acquire("B"), w.residency.acquire("X")
+    assert not w.swapper.make_room(1, run=1)
+    assert w.log == [] and w.pool.num_free == 0
+    w.residency.release("X")
+    assert w.swapper.make_room(2, run=2) and w.log == ["X"]
+    w.check()

@@ -1,0 +1,457 @@
+"""One memory for adapter weights and KV in the live server: SGLang's token allocator over the core's
+`UnifiedPool`, adapters resident in KV slots, evicted and prefetched by the core's `Swapper`.
+
+Lives here: `UnifiedTokenAllocator` (SGLang's page-size-1 allocator, its free list being the pool's), and
+`LiveMemory`, the scheduler process's one owner of adapter memory: host copies by content identity, the
+`AdapterResidency`, the `UsageStats` the policy reads, the `Swapper`, and the copies into KV buffers (it is the
+swapper's `Loader`). The hooks at the end translate SGLang's calls; `radix_backend.py` asks `LiveMemory` for
+evictions and for the sizes it reports to SGLang's scheduler. Not here: the pool, residency, swapper and
+policies themselves (`sgl_multilora/`, shared with the simulator), the slot layout (`slot_layout.py`).
+
+Slots. The pool's slot i is SGLang's KV index i + 1 (SGLang keeps index 0 for padded tokens). KV takes the
+lowest free ids, adapters best-fit from the top (`pool.py` has the drawing); an adapter's layer-l matrices sit
+whole in k_buffer[l] / v_buffer[l] rows of its slots (`slot_layout.py`), and our LoRA layers read those views.
+
+Accounting, at every step (checked with --multilora-check-invariants):
+  free + adapter + kv_cached + kv_running + in_flight == pool slots == SGLang's max_total_num_tokens
+  kv_cached == the tree's KV tokens;  kv_running == the KV rows requests own outside the tree.
+SGLang's own leak check (available + evictable + protected + uncached == total) closes too: adapters that no
+running request uses and no locked KV depends on count as evictable, the other adapter and in-flight slots as
+protected.
+
+Admission. A request whose adapter is not resident is skipped for this pass (the queue goes on) while the
+swapper makes room and copies it in; the room taken never exceeds what the pass's prefill budget has left, so
+requests already admitted keep their memory. Adapters used by running or just-admitted requests are never
+evicted (their counts are set from the scheduler's batches before and after every admission pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+from sgl_multilora.adapters import LoadedAdapter
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.state import process_state
+from sgl_multilora.policy import create_policy
+from sgl_multilora.policy.usage import UsageStats
+from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
+from sgl_multilora.residency import AdapterResidency
+from sgl_multilora.slot_layout import place, slots_needed
+from sgl_multilora.swapper import Swapper
+from sgl_multilora.tree import LoraRadixTree
+
+logger = logging.getLogger(__name__)
+
+# Before the first prefill is measured: seconds to recompute one token's KV (a 135M model on 2 CPU cores
+# prefills about 1,500 tokens/s; a GPU is ~100x faster, and the estimate is replaced after one prefill).
+INITIAL_RECOMPUTE_S_PER_TOKEN = 1e-3
+INITIAL_COPY_BYTES_PER_S = 2e9  # host -> pool copy, replaced by the measured rate after the first load
+EMA = 0.2
+
+
+class UnifiedTokenAllocator(TokenToKVPoolAllocator):
+    """SGLang's token allocator (page size 1) whose free list is a `UnifiedPool`: KV is handed out as kind
+    `kv_running`; the tree moves what it caches to `kv_cached` and frees evicted runs from there; adapters take
+    slots through the residency. `available_size()` is the pool's free count."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache, need_sort: bool):
+        k0 = kvcache.k_buffer[0]
+        slot_bytes = 2 * len(kvcache.k_buffer) * k0[0].numel() * k0.element_size()
+        self.pool = UnifiedPool(size, slot_bytes)
+        super().__init__(size, dtype, device, kvcache, need_sort)
+
+    # ---- SGLang's allocator API ---------------------------------------------------------------------------------
+
+    def clear(self):
+        """A cache flush: every KV slot comes back; resident adapters keep theirs."""
+        self.free_group = None
+        self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.release_all("kv_running")
+            pool.release_all("kv_cached")
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free KV indices (SGLang's debug checks read this list)."""
+        kinds = getattr(getattr(self, "pool", None), "_kind_of", None)
+        if kinds is None:
+            return torch.empty((0,), dtype=torch.int64)
+        codes = torch.frombuffer(bytearray(kinds), dtype=torch.uint8) if len(kinds) else torch.empty(0, dtype=torch.uint8)
+        return (torch.nonzero(codes == 0).flatten() + 1).to(self.device)
+
+    @free_pages.setter
+    def free_pages(self, value) -> None:  # SGLang's base __init__ assigns it; the pool is the free list
+        pass
+
+    def available_size(self):
+        return self.pool.num_free
+
+    def alloc(self, need_size: int):
+        slots = self.pool.alloc("kv_running", need_size)
+        return None if slots is None else self.to_indices(slots)
+
+    def free(self, free_index: torch.Tensor):
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        self.pool.release("kv_running", (free_index - 1).tolist())
+
+    def merge_and_sort_free(self):
+        return None
+
+    def get_all_free_pages(self):
+        return self.free_pages
+
+    # ---- the tree's side ----------------------------------------------------------------------------------------
+
+    def to_indices(self, slots: SlotRuns) -> torch.Tensor:
+        if len(slots.runs) == 1:
+            start, n = slots.runs[0]
+            return torch.arange(start + 1, start + 1 + n, dtype=torch.int64, device=self.device)
+        return torch.cat([torch.arange(s + 1, s + 1 + n, dtype=torch.int64, device=self.device)
+                          for s, n in slots.runs])
+
+    def mark_cached(self, indices: list[int]) -> None:
+        """KV rows a request computed that the tree now owns."""
+        if indices:
+            self.pool.move("kv_running", "kv_cached", [i - 1 for i in indices])
+
+    def free_cached(self, indices: list[int]) -> None:
+        """An evicted run of the tree."""
+        self.pool.release("kv_cached", [i - 1 for i in indices])
+
+
+class LiveMemory:
+    """The scheduler process's adapter memory over one `UnifiedTokenAllocator` (see the module docstring)."""
+
+    def __init__(self, allocator: UnifiedTokenAllocator, tree: LoraRadixTree) -> None:
+        args = flags.current()
+        self.allocator = allocator
+        self.pool = allocator.pool
+        kv = allocator.get_kvcache()
+        self.k_buffers, self.v_buffers = kv.k_buffer, kv.v_buffer
+        self.half_elems = int(self.k_buffers[0][0].numel())
+        self.dtype = self.k_buffers[0].dtype
+        self.usage = UsageStats({}, self.pool.slot_bytes, INITIAL_RECOMPUTE_S_PER_TOKEN, self._copy_seconds)
+        self.residency = AdapterResidency(self.pool, {}, self.usage)
+        self.policy = create_policy(args.eviction_policy, context=self.usage)
+        tree.score = self.policy
+        self.swapper = Swapper(tree, self.pool, self.residency, self.policy, self,
+                               idle_watermark=args.idle_watermark, swap_interval_s=args.swap_interval_ms / 1000,
+                               free_kv=allocator.free_cached)
+        self.copy_bytes_per_s = INITIAL_COPY_BYTES_PER_S
+        self._host: dict[str, LoadedAdapter] = {}  # identity -> host copy (the registry's weights)
+        self._shapes: dict[str, dict] = {}  # identity -> (layer, module, A|B) -> shape
+        self._views: dict[str, LoadedAdapter] = {}  # identity -> weights as views into its slots
+        self._lora_ids: dict[str, set[str]] = {}  # identity -> the engine's ids that name it
+        self._pending_removal: set[str] = set()
+        self._prefill_started: float | None = None
+        self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
+
+    # ---- adapters (load / unload) ---------------------------------------------------------------------------
+
+    def slots_for(self, adapter: LoadedAdapter) -> int:
+        return slots_needed(_shapes(adapter), self.half_elems)
+
+    def check_fits(self, adapter: LoadedAdapter) -> None:
+        """Raises ExceedsPoolError naming the adapter's size and the pool's for an adapter larger than the pool."""
+        n = self.slots_for(adapter)
+        if n > self.pool.num_slots:
+            raise ExceedsPoolError(f"LoRA adapter '{adapter.spec.name}'", n, self.pool.num_slots,
+                                   self.pool.slot_bytes)
+
+    def register(self, lora_id: str, adapter: LoadedAdapter) -> None:
+        """Keeps `adapter`'s host copy under its identity (absent until a request or a prefetch loads it)."""
+        identity = adapter.spec.identity
+        self._pending_removal.discard(identity)
+        ids = self._lora_ids.setdefault(identity, set())
+        ids.add(lora_id)
+        if identity in self._host:
+            return
+        self.check_fits(adapter)
+        shapes = _shapes(adapter)
+        n = slots_needed(shapes, self.half_elems)
+        self._host[identity], self._shapes[identity] = adapter, shapes
+        self.residency.add(identity, n)
+        self.usage.add_adapter(identity, n * self.pool.slot_bytes)
+
+    def unregister(self, lora_id: str, identity: str | None) -> None:
+        """The engine unloaded `lora_id`: once no id names its weights, they leave the tree, the pool and the host
+        (deferred to a later step while locked KV or a running request still uses them)."""
+        ids = self._lora_ids.get(identity)
+        if ids is None:
+            return
+        ids.discard(lora_id)
+        if not ids:
+            self._pending_removal.add(identity)
+            self._remove_pending()
+
+    def _remove_pending(self) -> None:
+        for identity in list(self._pending_removal):
+            nodes = self.swapper._adapter_nodes(identity)
+            if self.residency.num_running(identity) or any(n.lock_ref for n in nodes):
+                continue
+            for node in nodes:
+                self.swapper.tree.remove_adapter(node.parent.label, node.label, self.allocator.free_cached)
+            if self.residency.is_loading(identity):
+                self.residency.finish_load(identity)
+            if self.residency.is_resident(identity):
+                self.residency.drop(identity)
+            self.residency.remove(identity)
+            self.usage.remove_adapter(identity)
+            for table in (self._host, self._shapes, self._views, self._lora_ids):
+                table.pop(identity, None)
+            self._pending_removal.discard(identity)
+
+    # ---- the swapper's Loader ---------------------------------------------------------------------------------
+
+    def start(self, identity: str, slots: SlotRuns) -> bool:
+        """Copies the host weights into `slots` (synchronously: a CPU copy; a GPU copy stream would record an
+        event for `is_done`). False when the runs are too short for some matrix."""
+        placement = place(self._shapes[identity], slots.runs, self.half_elems)
+        if placement is None:
+            return False
+        began = time.perf_counter()
+        host = self._host[identity]
+        views = {}
+        for (layer, module), (a, b) in host.weights.items():
+            va, vb = (self._view(layer, placement[(layer, module, w)]) for w in ("A", "B"))
+            va.copy_(a)
+            vb.copy_(b)
+            views[(layer, module)] = (va, vb)
+        self._views[identity] = LoadedAdapter(host.spec, views)
+        seconds = time.perf_counter() - began
+        if seconds > 0:
+            rate = host.num_bytes() / seconds
+            self.copy_bytes_per_s += EMA * (rate - self.copy_bytes_per_s)
+        return True
+
+    def is_done(self, identity: str) -> bool:
+        return True
+
+    def _view(self, layer: int, p) -> torch.Tensor:
+        buffer = (self.k_buffers if p.buffer == 0 else self.v_buffers)[layer]
+        numel = p.shape[0] * p.shape[1]
+        area = buffer[p.run_start + 1:].view(-1)  # rows from the run's first slot on (contiguous)
+        return area[p.offset:p.offset + numel].view(p.shape)
+
+    def _copy_seconds(self, num_bytes: int) -> float:
+        return num_bytes / self.copy_bytes_per_s
+
+    # ---- serving --------------------------------------------------------------------------------------------
+
+    def weights(self, identity: str) -> LoadedAdapter | None:
+        """The adapter's weights as views of its slots, or None when it is not resident."""
+        if not self.residency.is_resident(identity):
+            self._views.pop(identity, None)
+            return None
+        return self._views.get(identity)
+
+    def ensure_resident(self, identity: str, budget: int | None) -> bool:
+        """True once the adapter is resident; otherwise makes room (at most `budget` slots of the pass's prefill
+        budget may go to it) and starts the copy. False means "not now": the request waits for a later pass."""
+        res = self.residency
+        if res.is_resident(identity):
+            return True
+        self.swapper.poll_loads()
+        if res.is_resident(identity) or res.is_loading(identity):
+            return res.is_resident(identity)
+        if budget is not None and res.entry(identity).num_slots > budget:
+            self.num_skipped_admissions += 1
+            return False
+        if self.swapper.load(identity):
+            self.swapper.poll_loads()
+        if not res.is_resident(identity):
+            self.num_skipped_admissions += 1
+        return res.is_resident(identity)
+
+    def set_running(self, reqs) -> None:
+        """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
+        non-resident adapter is not counted)."""
+        registry = process_state().adapters
+        counts = Counter()
+        for req in reqs:
+            identity = registry.identity(req.lora_id) if req.lora_id is not None else None
+            if identity is not None and self.residency.is_resident(identity):
+                counts[identity] += 1
+        self.residency.set_running(counts)
+
+    def record_request(self, identity: str | None) -> None:
+        self.usage.record_request(identity, self.swapper.tree.clock())
+
+    def before_prefill_pass(self, reqs) -> None:
+        self._remove_pending()
+        self.set_running(reqs)
+        self.swapper.tick(time.monotonic())
+        self._prefill_started = time.perf_counter()
+
+    def after_step(self, batch) -> None:
+        """Batch size and measured recompute cost (prefill seconds per token) for the policy."""
+        now = self.swapper.tree.clock()
+        self.usage.record_batch(now, len(batch.reqs))
+        if batch.forward_mode.is_extend() and self._prefill_started is not None:
+            tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
+            if tokens > 0:
+                per_token = (time.perf_counter() - self._prefill_started) / tokens
+                self.usage.kv_reload_s_per_token += EMA * (per_token - self.usage.kv_reload_s_per_token)
+        self._prefill_started = None
+
+    # ---- what SGLang's scheduler sees -----------------------------------------------------------------------
+
+    def evictable_adapter_slots(self) -> int:
+        """Slots of adapters the swapper can evict once their unlocked KV is gone: resident, used by no running
+        request, no lock on any of their nodes."""
+        res, total = self.residency, 0
+        for identity in res.resident_ids():
+            if res.num_running(identity):
+                continue
+            if any(n.lock_ref for n in self.swapper._adapter_nodes(identity)):
+                continue
+            total += res.entry(identity).num_slots
+        return total
+
+    def pinned_slots(self) -> int:
+        """Adapter and in-flight slots SGLang cannot have back now."""
+        return self.pool.num_of("adapter") + self.pool.num_of("in_flight") - self.evictable_adapter_slots()
+
+    def evict(self, num_tokens: int) -> int:
+        """SGLang asks for `num_tokens` more free slots: the swapper evicts KV leaves and adapters in ascending
+        score. Returns the slots freed."""
+        before = self.pool.num_free
+        self.swapper.make_room(min(self.pool.num_slots, before + num_tokens))
+        return self.pool.num_free - before
+
+    # ---- observation ----------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        by_kind = self.pool.by_kind()
+        slot_bytes = self.pool.slot_bytes
+        cached = self.swapper.tree.total_len()
+        return {
+            "policy": self.policy.name,
+            "slot_bytes": slot_bytes,
+            "num_slots": self.pool.num_slots,
+            "bytes": {
+                "adapter_weights": by_kind["adapter"] * slot_bytes,
+                "cached_kv": by_kind["kv_cached"] * slot_bytes,
+                "running_kv": by_kind["kv_running"] * slot_bytes,
+                "in_flight": by_kind["in_flight"] * slot_bytes,
+                "free": by_kind["free"] * slot_bytes,
+            },
+            "slots": by_kind,
+            "tree_kv_tokens": cached,
+            "adapters": {"registered": len(self._host), "resident": self.residency.num_resident,
+                         "loading": len(self.residency.loading_ids())},
+            "adapter_sizes": {
+                self._host[i].spec.name: {"num_slots": self.residency.entry(i).num_slots,
+                                          "state": self.residency.entry(i).state.value, "identity": i[:16]}
+                for i in self.residency.ids()},
+            "swapper": self.swapper.stats(),
+            "skipped_admissions": self.num_skipped_admissions,
+            "copy_bytes_per_s": self.copy_bytes_per_s,
+            "recompute_s_per_token": self.usage.kv_reload_s_per_token,
+        }
+
+    def check_invariants(self) -> None:
+        """The core's checks (pool, residency, dependency rule) and the live ones: the tree's KV is exactly the
+        pool's cached KV; every resident adapter has its views."""
+        self.swapper.check_invariants()
+        tree_len = self.swapper.tree.total_len()
+        assert self.pool.num_of("kv_cached") == tree_len, (
+            f"pool holds {self.pool.num_of('kv_cached')} cached KV slots, the tree {tree_len} tokens")
+        for identity in self.residency.resident_ids():
+            assert identity in self._views, f"resident adapter {identity[:12]} without its weight views"
+
+
+def _shapes(adapter: LoadedAdapter) -> dict:
+    out = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        out[(layer, module, "A")] = (int(a.shape[0]), int(a.shape[1]))
+        out[(layer, module, "B")] = (int(b.shape[0]), int(b.shape[1]))
+    return out
+
+
+def memory() -> LiveMemory | None:
+    """This process's live memory, when the unified pool is on."""
+    return process_state().memory
+
+
+# ---- hooks (see hook_table.py) --------------------------------------------------------------------------------
+
+
+def build_allocator(original, self, *args, **kwargs):
+    """`--multilora-memory unified`: SGLang's page-size-1 allocator becomes a `UnifiedTokenAllocator` over the
+    same KV buffers (other allocators: unchanged, with a warning)."""
+    allocator = original(self, *args, **kwargs)
+    if not flags.unified_memory_requested():
+        return allocator
+    kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+    if type(allocator) is not TokenToKVPoolAllocator or not hasattr(kv, "k_buffer") or not hasattr(kv, "v_buffer"):
+        logger.warning("sgl_multilora: the unified adapter/KV pool needs page size 1 and a K/V buffer pool (got "
+                       "%s); adapters keep separate memory", type(allocator).__name__)
+        return allocator
+    return UnifiedTokenAllocator(allocator.size, allocator.dtype, allocator.device, kv, allocator.need_sort)
+
+
+def get_new_batch_prefill(original, self, running_batch):
+    mem = memory()
+    if mem is None:
+        return original(self, running_batch)
+    reqs = [r for r in running_batch.reqs if not r.finished()]
+    if self.chunked_req is not None:
+        reqs.append(self.chunked_req)
+    mem.before_prefill_pass(reqs)
+    plan = original(self, running_batch)
+    new = plan.batch_to_run.reqs if plan.batch_to_run is not None else []
+    mem.set_running([r for r in plan.running_batch.reqs if not r.finished()] + list(new)
+                    + ([self.chunked_req] if self.chunked_req is not None else []))
+    return plan
+
+
+def prefill_adder_init(result, self, *args, **kwargs):
+    """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take."""
+    process_state().building.adder = self
+
+
+def can_schedule_lora_req(original, self, req, running_loras):
+    if not original(self, req, running_loras):
+        return False
+    mem = memory()
+    if mem is None or req.lora_id is None:
+        return True
+    identity = process_state().adapters.identity(req.lora_id)
+    if identity is None:
+        return True  # unknown adapters are answered by ingress with HTTP 400
+    adder = getattr(process_state().building, "adder", None)
+    budget = None if adder is None else int(adder.memory_budget.remaining_total)
+    if not mem.ensure_resident(identity, budget):
+        return False
+    mem.residency.acquire(identity)  # pinned until the pass ends and the counts are read off the batches
+    return True
+
+
+def add_request_to_queue(result, self, req, *args, **kwargs):
+    """AFTER `Scheduler._add_request_to_queue`: one request seen, for the policy's visit counts."""
+    mem = memory()
+    if mem is not None and not req.finished():
+        lora_id = getattr(req, "lora_id", None)
+        identity = process_state().adapters.identity(lora_id) if lora_id is not None else None
+        if lora_id is None or identity is not None:
+            mem.record_request(identity)
+
+
+def process_batch_result(result, self, batch, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: step statistics; in test mode the memory invariants."""
+    mem = memory()
+    if mem is not None and batch is not None:
+        mem.after_step(batch)
+        if flags.current().check_invariants:
+            mem.check_invariants()

@@ -1,0 +1,162 @@
+"""End to end: adapter weights and KV in one pool (`--multilora-memory unified`, the default of the tree backend).
+
+24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs)
+on a server whose pool holds about a third of their weights plus some KV. Concurrent base, LoRA and aLoRA traffic
+over all of them, twice in different orders: adapters are evicted and copied back into KV slots while the tree
+evicts KV, and every output must equal PEFT's (tokens and logprobs). The server runs in test mode: the tree's and
+the pool's invariants after every step (`--multilora-check-invariants`: free + adapter + cached + running KV ==
+total, cached KV == the tree's tokens, no KV of a non-resident adapter) and SGLang's own slot accounting
+(`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`); a violation stops the server and fails every later request.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.conftest import start_server
+from tests.oracle import assert_matches, logprob_fields
+
+pytestmark = pytest.mark.e2e
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+TARGETS = [ATTN, ATTN + MLP, MLP]
+RANKS = [8, 16, 32, 64]
+NUM_ADAPTERS = 24
+INVOCATION = "<|im_start|>verify\n"
+NEW_TOKENS = 8
+PROMPT_WORDS = 40
+# SmolLM2-135M: a slot (one token's K and V over 30 layers) holds 46,080 B. The 24 adapters take about 12.7k
+# slots; the pool holds a third of that plus room for the KV of a few running requests.
+POOL_SLOTS = 6000
+
+
+def _make_adapters(model_path: str, tokenizer, root) -> list[dict]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    invocation = tokenizer(INVOCATION, add_special_tokens=False).input_ids
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    out = []
+    for i in range(NUM_ADAPTERS):
+        rank, targets, alora = RANKS[i % 4], TARGETS[(i // 4) % 3], i % 4 == 1
+        torch.manual_seed(100 + i)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, task_type="CAUSAL_LM",
+                            target_modules=targets, alora_invocation_tokens=invocation if alora else None)
+        model = get_peft_model(base, config)
+        with torch.no_grad():  # random weights of a scale that moves greedy outputs without breaking the model
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(0.5)
+        name = f"a{i:02d}_r{rank}_{'alora' if alora else 'lora'}"
+        model.save_pretrained(str(root / name))
+        base = model.unload()
+        out.append({"name": name, "path": str(root / name), "rank": rank, "alora": alora})
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(model_path, tokenizer, tmp_path_factory) -> list[dict]:
+    return _make_adapters(model_path, tokenizer, tmp_path_factory.mktemp("unified_pool_adapters"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, adapters):
+    root = adapters[0]["path"].rsplit("/", 1)[0]
+    handle = start_server(model_path, [
+        "--multilora-adapter-dir", root, "--max-loras-per-batch", "4", "--max-lora-rank", "256",
+        "--radix-cache-backend", "multilora", "--chunked-prefill-size", "128", "--multilora-check-invariants",
+    ], name="e2e_unified_pool", max_total_tokens=POOL_SLOTS, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
+    yield handle
+    handle.stop()
+
+
+def _prompt(tokenizer, rng: random.Random, words: list[str], alora: bool) -> list[int]:
+    text = " ".join(rng.choices(words, k=PROMPT_WORDS))
+    messages = [{"role": "user", "content": f"Summarise: {text}"}]
+    if alora:
+        messages.append({"role": "assistant", "content": "It is a list of words."})
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        return ids + tokenizer(INVOCATION, add_special_tokens=False).input_ids
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _generate(server, name: str | None, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "lora_path": name, **logprob_fields(),
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    res = requests.post(server.url + "/generate", json=body, timeout=900)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def _stats(server) -> dict:
+    return requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
+
+
+def _wait_idle(server, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _stats(server)
+        if (m["running"] == 0 and m["waiting"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adapters, tokenizer, oracle):
+    pool = _stats(server)["unified_pool"]
+    sizes = [a["num_slots"] for a in pool["adapter_sizes"].values()]
+    assert len(sizes) == NUM_ADAPTERS and min(sizes) >= 1, pool
+    assert sum(sizes) > 2 * pool["num_slots"], "the adapters together must be several times what the pool holds"
+
+    rng = random.Random(11)
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)
+    work = [(a["name"], a["path"], _prompt(tokenizer, rng, words, a["alora"])) for a in adapters]
+    work += [(None, None, _prompt(tokenizer, rng, words, False)) for _ in range(4)]
+    rounds = []
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        for order in range(2):  # the second round, in another order, finds most adapters evicted again
+            shuffled = work[:] if order == 0 else rng.sample(work, len(work))
+            rounds.append((shuffled, list(executor.map(lambda w: _generate(server, w[0], w[2]), shuffled))))
+    for shuffled, responses in rounds:
+        for (name, path, ids), response in zip(shuffled, responses):
+            expected = oracle.greedy(path, ids, NEW_TOKENS, ignore_eos=True)
+            assert_matches(response, expected, f"{name or 'base'} through the unified pool")
+
+    m = _wait_idle(server)
+    pool = m["unified_pool"]
+    swapper = pool["swapper"]
+    assert swapper["adapter_evictions"] > 0 and swapper["adapter_loads"] + swapper["prefetches"] > NUM_ADAPTERS, pool
+    assert swapper["invalid_kv_slots"] == 0, pool
+    slots = pool["slots"]
+    assert slots["kv_running"] == 0 and slots["in_flight"] == 0, slots
+    assert slots["free"] + slots["adapter"] + slots["kv_cached"] == pool["num_slots"] == m["total"], slots
+    assert slots["kv_cached"] == pool["tree_kv_tokens"], pool
+    # SGLang's view when idle: every slot free or reclaimable (cached KV and unused adapters), none pinned.
+    assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
+    # No separate adapter tensors: the serving copies are the pool's slots; the host keeps one copy each.
+    assert m["adapters"]["weights"] == {} and m["adapters"]["slot_buffers"] == 0, m["adapters"]
+
+
+def test_an_adapter_larger_than_the_pool_is_refused_with_both_sizes(server, model_path, tokenizer, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = LoraConfig(r=256, lora_alpha=256, init_lora_weights=False, task_type="CAUSAL_LM",
+                        target_modules=ATTN + MLP, layers_to_transform=[0])  # one layer: a small file, many slots
+    get_peft_model(base, config).save_pretrained(str(tmp_path / "huge"))
+    res = requests.post(server.url + "/load_lora_adapter", json={"lora_name": "huge", "lora_path": str(tmp_path / "huge")},
+                        timeout=120)
+    assert res.status_code == 400, res.text
+    assert "huge" in res.text and "the whole pool holds" in res.text and f"{POOL_SLOTS} slots" in res.text, res.text
+    # The server still serves, and the refused adapter left nothing behind.
+    assert _generate(server, None, tokenizer("Hello", add_special_tokens=False).input_ids)["meta_info"]
+    assert "huge" not in _stats(server)["adapters"]["host"]

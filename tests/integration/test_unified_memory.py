@@ -1,0 +1,189 @@
+"""The unified pool on SGLang's real KV buffers (`MHATokenToKVPool` on CPU): SGLang's allocator API over the core
+pool, adapters copied into KV slots and read in place, KV written around them, eviction and accounting.
+
+No server: these drive `UnifiedTokenAllocator` and `LiveMemory` with the core tree directly, as the scheduler's
+hooks do, and check the bytes in SGLang's buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from sgl_multilora.adapters import AdapterSpec, LoadedAdapter
+from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.patches import cpu_compat
+from sgl_multilora.patches.state import process_state
+from sgl_multilora.pool import ExceedsPoolError
+from sgl_multilora.tree import LoraRadixTree
+
+SLOTS, HEADS, DIM, LAYERS = 96, 2, 8, 2  # one slot row: 16 elements per buffer per layer
+NS = Namespace("m")
+
+
+@pytest.fixture(scope="module")
+def sglang_pool_classes():
+    cpu_compat.install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
+    return MHATokenToKVPool, UnifiedTokenAllocator, LiveMemory
+
+
+def make_adapter(name: str, rank: int, seed: int) -> LoadedAdapter:
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(LAYERS):
+        weights[(layer, "q_proj")] = (torch.randn(rank, 16, generator=g), torch.randn(16, rank, generator=g))
+        weights[(layer, "up_proj")] = (torch.randn(rank, 16, generator=g), torch.randn(32, rank, generator=g))
+    spec = AdapterSpec(name, f"/adapters/{name}", f"id-{name}", rank, 2.0 * rank, 2.0, ("q_proj", "up_proj"), None)
+    return LoadedAdapter(spec, weights)
+
+
+@pytest.fixture
+def world(sglang_pool_classes):
+    pool_cls, allocator_cls, memory_cls = sglang_pool_classes
+    kv = pool_cls(SLOTS, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
+    allocator = allocator_cls(SLOTS, torch.float32, "cpu", kv, False)
+    clock = [0.0]
+    tree = LoraRadixTree(clock=lambda: clock[0])
+    memory = memory_cls(allocator, tree)
+    registry = process_state().adapters
+    adapters = {n: make_adapter(n, r, i) for i, (n, r) in enumerate([("a", 2), ("b", 4), ("c", 2)])}
+    for name, adapter in adapters.items():
+        registry.add(name, adapter.spec)
+        memory.register(name, adapter)
+    yield kv, allocator, tree, memory, adapters, clock
+    for name in adapters:
+        registry.remove(name)
+
+
+def assert_weights_in_place(memory, adapter: LoadedAdapter) -> None:
+    views = memory.weights(adapter.spec.identity)
+    assert views is not None, f"{adapter.spec.name} is not resident"
+    for key, (a, b) in adapter.weights.items():
+        va, vb = views.weights[key]
+        assert torch.equal(va, a) and torch.equal(vb, b), f"{adapter.spec.name} {key} differs from its host copy"
+        for v in (va, vb):  # a view of SGLang's K or V buffer of that layer, not a copy
+            bases = {t.untyped_storage().data_ptr() for t in (memory.k_buffers[key[0]], memory.v_buffers[key[0]])}
+            assert v.untyped_storage().data_ptr() in bases
+
+
+def test_sglang_allocator_api_over_the_pool(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    assert allocator.available_size() == SLOTS
+    ids = allocator.alloc(10)
+    assert ids.tolist() == list(range(1, 11))  # SGLang's index 0 stays the padding slot
+    assert allocator.available_size() == SLOTS - 10 and len(allocator.free_pages) == SLOTS - 10
+    allocator.free(ids[:4])
+    allocator.free_group_begin()
+    allocator.free(ids[4:6])
+    assert allocator.available_size() == SLOTS - 6  # held until the group ends
+    allocator.free_group_end()
+    assert allocator.available_size() == SLOTS - 4
+    assert allocator.alloc(SLOTS) is None
+    allocator.pool.check_invariants()
+
+
+def test_adapters_are_copied_into_kv_slots_and_survive_kv_writes_around_them(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    for name in ("a", "b"):
+        assert memory.ensure_resident(adapters[name].spec.identity, budget=None)
+    used = allocator.pool.num_of("adapter")
+    assert used == sum(memory.residency.entry(f"id-{n}").num_slots for n in ("a", "b"))
+    ids = allocator.alloc(allocator.available_size())  # every free slot becomes KV
+    for layer in range(LAYERS):  # a forward pass writes K and V at those slots
+        kv.k_buffer[layer][ids] = torch.randn(len(ids), HEADS, DIM)
+        kv.v_buffer[layer][ids] = torch.randn(len(ids), HEADS, DIM)
+    kv.k_buffer[0][0] = 7.0  # and the padding slot
+    for name in ("a", "b"):
+        assert_weights_in_place(memory, adapters[name])
+    memory.check_invariants()
+
+
+def test_eviction_keeps_the_dependency_rule_and_the_accounting(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = {n: a.spec.identity for n, a in adapters.items()}
+    for t, name in enumerate(("a", "b")):
+        clock[0] = float(t)
+        memory.record_request(ident[name])
+        assert memory.ensure_resident(ident[name], budget=None)
+        values = allocator.alloc(2).tolist()  # the request's KV, then cached by the tree
+        result = tree.insert(MatchKey(NS, AdapterRef(ident[name], name), [100 * t, 100 * t + 1]), values)
+        allocator.mark_cached(values[result.prefix_len:])
+        memory.check_invariants()
+    # "c" (6 slots) needs room that the KV (2 + 2 slots) cannot give: an adapter goes too, after its own KV
+    # (never an adapter with KV depending on it)
+    clock[0] = 5.0
+    allocator.alloc(allocator.available_size())  # running KV takes every free slot
+    memory.set_running([])
+    assert memory.ensure_resident(ident["c"], budget=None)
+    assert memory.residency.is_resident(ident["c"]) and memory.swapper.invalid_kv_slots() == 0
+    assert memory.swapper.counters.kv_evictions >= 1 and memory.swapper.counters.adapter_evictions >= 1
+    assert_weights_in_place(memory, adapters["c"])
+    for name in ("a", "b"):
+        if memory.residency.is_resident(ident[name]):
+            assert_weights_in_place(memory, adapters[name])
+    memory.check_invariants()
+    by_kind = allocator.pool.by_kind()
+    assert sum(by_kind.values()) == SLOTS
+    assert by_kind["kv_cached"] == tree.total_len()
+
+
+def test_running_adapters_and_locked_kv_are_never_evicted(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = {n: a.spec.identity for n, a in adapters.items()}
+    assert memory.ensure_resident(ident["a"], budget=None) and memory.ensure_resident(ident["b"], budget=None)
+
+    class Req:
+        def __init__(self, lora_id):
+            self.lora_id = lora_id
+
+    memory.set_running([Req("a"), Req("b")])
+    allocator.alloc(allocator.available_size())
+    assert not memory.ensure_resident(ident["c"], budget=None)  # not now: nothing may go
+    assert memory.residency.is_resident(ident["a"]) and memory.residency.is_resident(ident["b"])
+    assert memory.evictable_adapter_slots() == 0 and memory.pinned_slots() == allocator.pool.num_of("adapter")
+    memory.set_running([Req("a")])
+    assert memory.evictable_adapter_slots() == memory.residency.entry(ident["b"]).num_slots
+    assert memory.ensure_resident(ident["c"], budget=None)  # b goes, a stays
+    assert not memory.residency.is_resident(ident["b"]) and memory.residency.is_resident(ident["a"])
+    memory.check_invariants()
+
+
+def test_a_load_takes_no_more_than_the_budget_and_an_oversized_adapter_is_refused(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = adapters["b"].spec.identity
+    n = memory.residency.entry(ident).num_slots
+    assert not memory.ensure_resident(ident, budget=n - 1) and not memory.residency.is_resident(ident)
+    assert memory.ensure_resident(ident, budget=n)
+    huge = make_adapter("huge", 64, 9)
+    with pytest.raises(ExceedsPoolError, match=r"LoRA adapter 'huge' needs \d+ slots .* whole pool holds 96 slots"):
+        memory.check_fits(huge)
+
+
+def test_unregister_removes_the_adapter_and_its_kv(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = adapters["a"].spec.identity
+    assert memory.ensure_resident(ident, budget=None)
+    values = allocator.alloc(8).tolist()
+    tree.insert(MatchKey(NS, AdapterRef(ident, "a"), list(range(8))), values)
+    allocator.mark_cached(values)
+    memory.unregister("a", ident)
+    assert ident not in memory.residency.ids() and tree.total_len() == 0
+    assert allocator.pool.num_of("adapter") == 0 and allocator.available_size() == SLOTS
+    memory.check_invariants()
+
+
+def test_a_flush_returns_every_kv_slot_and_keeps_the_adapters(world):
+    kv, allocator, tree, memory, adapters, clock = world
+    assert memory.ensure_resident(adapters["a"].spec.identity, budget=None)
+    allocator.alloc(20)
+    allocator.clear()
+    assert allocator.pool.num_of("kv_running") == 0
+    assert allocator.available_size() == SLOTS - allocator.pool.num_of("adapter") > 0
+    assert_weights_in_place(memory, adapters["a"])
