@@ -59,6 +59,13 @@ class MultiLoRAArgs:
     swap_interval_ms: float = 100.0
     # Prefetch adapters only while the pool is used below this fraction.
     idle_watermark: float = 0.7
+    # Who decides which waiting requests an admission pass takes: `stock` (SGLang's --schedule-policy alone) or
+    # `multiqueue` (Chameleon's adapter-aware queues with token quotas, then SGLang's pass over those requests).
+    scheduler: str = "stock"
+    # multiqueue: refit the queues' cut-offs and quotas this often (seconds; 0: never after the first fit).
+    requeue_s: float = 300.0
+    # multiqueue: the TTFT SLO in the quota rule Tok_min >= S D (1/SLO + lambda) (seconds).
+    ttft_slo_s: float = 5.0
     # Set at parse time: the radix-cache backend is ours (the unified pool needs it).
     radix_backend: bool = False
 
@@ -73,6 +80,7 @@ LORA_OPS_CHOICES = ("auto", "triton", "torch", "flashinfer")
 INGRESS_CHOICES = ("strict", "stock")
 MEMORY_CHOICES = ("unified", "separate")
 EVICTION_POLICY_CHOICES = ("elora", "chameleon", "lru")
+SCHEDULER_CHOICES = ("stock", "multiqueue")
 
 
 def unified_memory_requested() -> bool:
@@ -208,6 +216,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.idle_watermark,
         metavar="FRACTION",
         help="Prefetch adapters only while the unified pool is used below this fraction.",
+    )
+    group.add_argument(
+        "--multilora-scheduler",
+        choices=SCHEDULER_CHOICES,
+        default=MultiLoRAArgs.scheduler,
+        help="'stock': SGLang's --schedule-policy decides admission; 'multiqueue': adapter-aware queues by "
+        "weighted request size with per-queue token quotas (Chameleon) pick which requests each pass may take.",
+    )
+    group.add_argument(
+        "--multilora-requeue-s",
+        type=float,
+        default=MultiLoRAArgs.requeue_s,
+        metavar="S",
+        help="multiqueue: refit the queues' cut-offs and quotas every S seconds (0: never after the first fit).",
+    )
+    group.add_argument(
+        "--multilora-ttft-slo-s",
+        type=_positive_float,
+        default=MultiLoRAArgs.ttft_slo_s,
+        metavar="S",
+        help="multiqueue: the time-to-first-token SLO the per-queue token quotas are sized for.",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -23,6 +23,8 @@ def scheduler_internal_state(result, self, *args, **kwargs):
         memory["adapters"] = adapter_accounting(self)
         if process_state().memory is not None:
             memory["unified_pool"] = process_state().memory.stats()
+        if process_state().scheduler is not None:
+            memory["scheduler"] = process_state().scheduler.stats()
     result.internal_state["multilora_memory"] = memory
     return result
 

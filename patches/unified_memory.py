@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 INITIAL_RECOMPUTE_S_PER_TOKEN = 1e-3
 INITIAL_COPY_BYTES_PER_S = 2e9  # host -> pool copy, replaced by the measured rate after the first load
 EMA = 0.2
+# A request kept out this long because its adapter could not be made resident holds the admission of every request
+# queued after it, so that running requests drain and free the memory it needs (no starvation under a steady stream
+# of requests for resident adapters).
+STARVATION_S = 2.0
 
 
 class UnifiedTokenAllocator(TokenToKVPoolAllocator):
@@ -154,7 +158,10 @@ class LiveMemory:
         self._lora_ids: dict[str, set[str]] = {}  # identity -> the engine's ids that name it
         self._pending_removal: set[str] = set()
         self._prefill_started: float | None = None
+        self._skipped_since: dict[str, float] = {}  # rid -> when its adapter first could not be made resident
+        self._starving: str | None = None  # the oldest such rid past STARVATION_S
         self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
+        self.num_starvation_holds = 0
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
@@ -273,6 +280,23 @@ class LiveMemory:
             self.num_skipped_admissions += 1
         return res.is_resident(identity)
 
+    def admit(self, rid: str, identity: str, budget: int | None) -> bool:
+        """The admission decision for one waiting request on a resident-or-not adapter (None: the base model):
+        `ensure_resident`, with the starvation rule (`STARVATION_S`): while a request has been kept out too long,
+        no other request is admitted."""
+        if self._starving is not None and rid != self._starving:
+            return False
+        if identity is None or self.ensure_resident(identity, budget):
+            self._skipped_since.pop(rid, None)
+            if rid == self._starving:
+                self._starving = None
+            return True
+        since = self._skipped_since.setdefault(rid, time.monotonic())
+        if self._starving is None and time.monotonic() - since > STARVATION_S:
+            self._starving = rid
+            self.num_starvation_holds += 1
+        return False
+
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
         non-resident adapter is not counted)."""
@@ -287,7 +311,11 @@ class LiveMemory:
     def record_request(self, identity: str | None) -> None:
         self.usage.record_request(identity, self.swapper.tree.clock())
 
-    def before_prefill_pass(self, reqs) -> None:
+    def before_prefill_pass(self, reqs, waiting_rids: set[str]) -> None:
+        for rid in [r for r in self._skipped_since if r not in waiting_rids]:  # admitted elsewhere or aborted
+            del self._skipped_since[rid]
+        if self._starving not in self._skipped_since:
+            self._starving = None
         self._remove_pending()
         self.set_running(reqs)
         self.swapper.tick(time.monotonic())
@@ -356,6 +384,7 @@ class LiveMemory:
                 for i in self.residency.ids()},
             "swapper": self.swapper.stats(),
             "skipped_admissions": self.num_skipped_admissions,
+            "starvation_holds": self.num_starvation_holds,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "recompute_s_per_token": self.usage.kv_reload_s_per_token,
         }
@@ -399,59 +428,3 @@ def build_allocator(original, self, *args, **kwargs):
                        "%s); adapters keep separate memory", type(allocator).__name__)
         return allocator
     return UnifiedTokenAllocator(allocator.size, allocator.dtype, allocator.device, kv, allocator.need_sort)
-
-
-def get_new_batch_prefill(original, self, running_batch):
-    mem = memory()
-    if mem is None:
-        return original(self, running_batch)
-    reqs = [r for r in running_batch.reqs if not r.finished()]
-    if self.chunked_req is not None:
-        reqs.append(self.chunked_req)
-    mem.before_prefill_pass(reqs)
-    plan = original(self, running_batch)
-    new = plan.batch_to_run.reqs if plan.batch_to_run is not None else []
-    mem.set_running([r for r in plan.running_batch.reqs if not r.finished()] + list(new)
-                    + ([self.chunked_req] if self.chunked_req is not None else []))
-    return plan
-
-
-def prefill_adder_init(result, self, *args, **kwargs):
-    """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take."""
-    process_state().building.adder = self
-
-
-def can_schedule_lora_req(original, self, req, running_loras):
-    if not original(self, req, running_loras):
-        return False
-    mem = memory()
-    if mem is None or req.lora_id is None:
-        return True
-    identity = process_state().adapters.identity(req.lora_id)
-    if identity is None:
-        return True  # unknown adapters are answered by ingress with HTTP 400
-    adder = getattr(process_state().building, "adder", None)
-    budget = None if adder is None else int(adder.memory_budget.remaining_total)
-    if not mem.ensure_resident(identity, budget):
-        return False
-    mem.residency.acquire(identity)  # pinned until the pass ends and the counts are read off the batches
-    return True
-
-
-def add_request_to_queue(result, self, req, *args, **kwargs):
-    """AFTER `Scheduler._add_request_to_queue`: one request seen, for the policy's visit counts."""
-    mem = memory()
-    if mem is not None and not req.finished():
-        lora_id = getattr(req, "lora_id", None)
-        identity = process_state().adapters.identity(lora_id) if lora_id is not None else None
-        if lora_id is None or identity is not None:
-            mem.record_request(identity)
-
-
-def process_batch_result(result, self, batch, *args, **kwargs):
-    """AFTER `Scheduler.process_batch_result`: step statistics; in test mode the memory invariants."""
-    mem = memory()
-    if mem is not None and batch is not None:
-        mem.after_step(batch)
-        if flags.current().check_invariants:
-            mem.check_invariants()

@@ -187,3 +187,20 @@ def test_a_flush_returns_every_kv_slot_and_keeps_the_adapters(world):
     assert allocator.pool.num_of("kv_running") == 0
     assert allocator.available_size() == SLOTS - allocator.pool.num_of("adapter") > 0
     assert_weights_in_place(memory, adapters["a"])
+
+
+def test_a_request_kept_out_too_long_holds_later_admissions_until_it_gets_in(world, monkeypatch):
+    from sgl_multilora.patches import unified_memory
+
+    kv, allocator, tree, memory, adapters, clock = world
+    monkeypatch.setattr(unified_memory, "STARVATION_S", 0.0)
+    ident = {n: a.spec.identity for n, a in adapters.items()}
+    running = allocator.alloc(allocator.available_size())  # running requests hold every slot
+    assert not memory.admit("r1", ident["c"], budget=None)  # kept out: c cannot be made resident
+    assert not memory.admit("r1", ident["c"], budget=None)  # ... for too long now
+    assert not memory.admit("r2", None, budget=None) and not memory.admit("r3", ident["a"], budget=None)
+    allocator.free(running)  # the running requests finish
+    assert not memory.admit("r2", None, budget=None)  # still held for r1
+    assert memory.admit("r1", ident["c"], budget=None)
+    assert memory.admit("r2", None, budget=None)  # released
+    assert memory.stats()["starvation_holds"] == 1

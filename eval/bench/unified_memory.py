@@ -1,0 +1,228 @@
+"""Live CPU servers, same total memory: adapters and KV in one pool (ours) against SGLang's memory layout (stock).
+
+Arms (both serve the same random PEFT adapters, named and ranked as the workload's, on the embedded model):
+- `ours`: `--radix-cache-backend multilora` with `--multilora-memory unified`: a pool of `--pool-tokens` token
+  slots shared by adapter weights and KV, evicted and prefetched by `--policy`.
+- `stock`: SGLang's own prefix cache and SGLang's memory split: slot buffers for `--max-loras-per-batch` adapters
+  of `--max-lora-rank` over the adapters' target modules are taken off the same budget, and the KV pool gets the
+  rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
+  run, so the stock arm computes with our CPU LoRA layers from the host copies: its adapter swaps into slot buffers
+  cost nothing here (in SGLang they are host-to-device copies), which favours the stock arm.
+Both servers start once and stay up (idle ones sleep); every repeat replays the workload at every rate on each arm,
+arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
+TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock.
+
+Usage: .venv/bin/python -m eval.bench.unified_memory [--workload chatbot] [--time-scales 1,2] [--repeats 3]
+           [--out eval/results/unified_memory.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from eval.live.driver import ServedAdapter, Target, replay
+from eval.workloads import create_workload
+from sgl_multilora.server import cpu_server_args, launch
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache" / "unified_memory_adapters"
+# SmolLM2-135M, fp32: per layer and rank, A and B elements of each projection (in + out)
+ELEMS_PER_RANK = {"q_proj": 576 + 576, "k_proj": 576 + 192, "v_proj": 576 + 192, "o_proj": 576 + 576,
+                  "gate_proj": 576 + 1536, "up_proj": 576 + 1536, "down_proj": 1536 + 576}
+NUM_LAYERS, SLOT_BYTES = 30, 46080  # a slot: one token's K and V over 30 layers, 3 KV heads x 64, fp32
+
+
+def make_adapters(model_path: str, workload, out_dir: Path) -> Path:
+    """Random PEFT adapters (seeded per name) with the workload's names, ranks and target modules; reused when
+    present."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo = [a for a in workload.adapters if not (out_dir / a.name / "adapter_model.safetensors").exists()]
+    if not todo:
+        return out_dir
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for i, a in enumerate(tqdm(todo, desc="random adapters")):
+        torch.manual_seed(1000 + i)
+        config = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, init_lora_weights=False, task_type="CAUSAL_LM",
+                            target_modules=list(a.target_modules))
+        model = get_peft_model(base, config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(0.5)
+        model.save_pretrained(str(out_dir / a.name))
+        base = model.unload()
+    return out_dir
+
+
+def stock_buffer_tokens(workload, max_loras_per_batch: int, max_rank: int) -> int:
+    """Token slots SGLang's LoRA slot buffers take: max_loras_per_batch adapters of max_rank over the union of
+    the workload's target modules, fp32, every layer."""
+    modules = sorted({m for a in workload.adapters for m in a.target_modules})
+    per_adapter = NUM_LAYERS * max_rank * sum(ELEMS_PER_RANK[m] for m in modules) * 4
+    return -(-max_loras_per_batch * per_adapter // SLOT_BYTES)
+
+
+def flush(url: str) -> None:
+    requests.post(url + "/flush_cache", timeout=60)
+
+
+def summarize(results) -> dict:
+    ok = [r for r in results if r.error is None and r.ttft_s is not None]
+    ttft = sorted(r.ttft_s for r in ok)
+    if not ttft:
+        return {"num_ok": 0, "num_failed": len(results)}
+
+    def pct(p):
+        return ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
+
+    return {"num_ok": len(ok), "num_failed": len(results) - len(ok), "mean_ttft_s": statistics.fmean(ttft),
+            "p50_ttft_s": pct(50), "p99_ttft_s": pct(99),
+            "mean_e2e_s": statistics.fmean(r.e2e_s for r in ok),
+            "cached_token_share": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="chatbot", choices=["chatbot", "translation"])
+    parser.add_argument("--num-adapters", type=int, default=24)
+    parser.add_argument("--ranks", default="16,32,64")
+    parser.add_argument("--pool-tokens", type=int, default=10000, help="token slots every arm gets in all")
+    parser.add_argument("--max-loras-per-batch", type=int, default=4)
+    parser.add_argument("--policy", default="elora")
+    parser.add_argument("--time-scales", default="1,2", help="arrival compression factors (the rates)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
+    args = parser.parse_args()
+
+    from sgl_multilora.embedded import ensure_embedded_model
+
+    model = str(ensure_embedded_model())
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    params = {"num_adapters": args.num_adapters, "ranks": ranks}
+    for item in args.param:
+        key, value = item.split("=", 1)
+        params[key] = json.loads(value)
+    workload = create_workload(args.workload, seed=args.seed, **params)
+    adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
+    max_rank = max(ranks)
+    buffer_tokens = stock_buffer_tokens(workload, args.max_loras_per_batch, max_rank)
+    if buffer_tokens >= args.pool_tokens:
+        raise SystemExit(f"SGLang's slot buffers take {buffer_tokens} token slots, more than --pool-tokens")
+    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
+              "--max-lora-rank", str(max_rank)]
+    arms = {
+        "ours": (args.pool_tokens, [*common, "--radix-cache-backend", "multilora", "--multilora-eviction-policy",
+                                    args.policy]),
+        "stock": (args.pool_tokens - buffer_tokens, common),
+    }
+    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        for name, (tokens, extra) in arms.items():
+            servers[name] = launch(model, [*cpu_server_args(max_total_tokens=tokens), *extra],
+                                   log_path=log_dir / f"unified_memory_{name}.log")
+        served = [ServedAdapter(a.name) for a in workload.adapters]
+        scales = [float(s) for s in args.time_scales.split(",")]
+        setup = {"workload": args.workload, "params": {k: list(v) if isinstance(v, tuple) else v
+                                                       for k, v in params.items()},
+                 "num_requests": len(workload.requests), "pool_tokens": args.pool_tokens,
+                 "stock_kv_tokens": args.pool_tokens - buffer_tokens, "stock_buffer_tokens": buffer_tokens,
+                 "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": max_rank,
+                 "policy": args.policy, "time_scales": scales, "repeats": args.repeats, "seed": args.seed,
+                 "adapter_bytes_total": sum(NUM_LAYERS * a.rank * sum(ELEMS_PER_RANK[m] for m in a.target_modules)
+                                            * 4 for a in workload.adapters)}
+        device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                  "load_avg_start": list(os.getloadavg())}
+        runs = []
+        raw = args.out.with_name(args.out.stem + "_requests.jsonl")
+        raw.unlink(missing_ok=True)
+        order = list(arms)
+        with tqdm(total=args.repeats * len(scales) * len(order), desc="replays") as bar:
+            for rep in range(args.repeats):
+                for scale in scales:
+                    for name in (order if rep % 2 == 0 else order[::-1]):
+                        flush(servers[name].url)
+                        time.sleep(1.0)
+                        results = replay(workload, [Target(name, servers[name].url)], raw, f"rep{rep}", served,
+                                         time_scale=scale, timeout_s=900)
+                        pool = None
+                        if name == "ours":
+                            mem = requests.get(servers[name].url + "/multilora/stats", timeout=60).json()["memory"]
+                            pool = mem[0].get("unified_pool", {}).get("swapper")
+                        runs.append({"arm": name, "repeat": rep, "time_scale": scale,
+                                     "rate_req_s": workload.offered_rate * scale, **summarize(results),
+                                     "swapper": pool})
+                        bar.update(1)
+        device["load_avg_end"] = list(os.getloadavg())
+        record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                  "runs": runs}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(report(record))
+        args.out.with_suffix(".md").write_text(report(record))
+    finally:
+        for handle in servers.values():
+            handle.stop()
+
+
+def report(record: dict) -> str:
+    s, runs = record["setup"], record["runs"]
+    lines = [f"# Unified pool vs SGLang's memory layout, live CPU server ({record['date'][:10]})", "",
+             f"Workload `{s['workload']}` {s['params']}, {s['num_requests']} requests; every arm {s['pool_tokens']} "
+             f"token slots in all (stock: {s['stock_buffer_tokens']} to LoRA slot buffers of "
+             f"{s['max_loras_per_batch']} x rank {s['max_lora_rank']}, {s['stock_kv_tokens']} to KV); adapters "
+             f"{s['adapter_bytes_total'] / 2**20:.0f} MiB = {s['adapter_bytes_total'] / 46080:.0f} slots; policy "
+             f"{s['policy']}; {s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
+             "| rate (req/s) | arm | mean TTFT s (min-max) | P50 TTFT s | P99 TTFT s (min-max) | cached share | "
+             "failed |", "|---|---|---|---|---|---|---|"]
+    for scale in s["time_scales"]:
+        for arm in ("stock", "ours"):
+            rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
+            if not rs:
+                continue
+
+            def med(key):
+                return statistics.median(r[key] for r in rs)
+
+            lines.append(
+                f"| {rs[0]['rate_req_s']:.2f} | {arm} | {med('mean_ttft_s'):.2f} "
+                f"({min(r['mean_ttft_s'] for r in rs):.2f}-{max(r['mean_ttft_s'] for r in rs):.2f}) | "
+                f"{med('p50_ttft_s'):.2f} | {med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-"
+                f"{max(r['p99_ttft_s'] for r in rs):.2f}) | {med('cached_token_share'):.2f} | "
+                f"{sum(r['num_failed'] for r in rs)} |")
+    lines += ["", "Ratios ours / stock per repeat (median, min-max):", ""]
+    for scale in s["time_scales"]:
+        pairs = []
+        for rep in range(s["repeats"]):
+            o = [r for r in runs if r["arm"] == "ours" and r["repeat"] == rep and r["time_scale"] == scale]
+            k = [r for r in runs if r["arm"] == "stock" and r["repeat"] == rep and r["time_scale"] == scale]
+            if o and k and o[0].get("num_ok") and k[0].get("num_ok"):
+                pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"], o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
+        if pairs:
+            mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
+            lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
+                         f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
+                         f"({min(p99_r):.2f}-{max(p99_r):.2f})")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Hooks on SGLang's admission pass and step loop, shared by the unified pool (`unified_memory.LiveMemory`) and
+the multi-queue scheduler (`live_scheduler.LiveScheduler`): each hook translates SGLang's objects and asks the
+process's owners (`state.py`), which exist only when their flags are on.
+
+Per admission pass (`Scheduler.get_new_batch_prefill`): before it, the memory pins the adapters of running
+requests and runs the idle swapper, and the multi-queue scheduler plans which waiting requests the pass may take;
+during it, a request outside the plan or whose adapter is not resident is skipped (`can_schedule_lora_req`,
+`PrefillAdder.add_one_req`); after it, the memory re-reads the running adapters and the scheduler re-queues what
+SGLang did not admit. Per step (`process_batch_result`): step statistics, finished requests, test-mode invariants.
+"""
+
+from __future__ import annotations
+
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.state import process_state
+
+
+def _scheduler_owner(scheduler):
+    """The process's `LiveScheduler` with `--multilora-scheduler multiqueue` (made on first use), else None."""
+    state = process_state()
+    if state.scheduler is None and flags.current().scheduler == "multiqueue":
+        from sgl_multilora.patches.live_scheduler import LiveScheduler
+
+        state.scheduler = LiveScheduler(scheduler)
+    return state.scheduler
+
+
+def get_new_batch_prefill(original, self, running_batch):
+    mem, sched = process_state().memory, _scheduler_owner(self)
+    if mem is None and sched is None:
+        return original(self, running_batch)
+    if mem is not None:
+        reqs = [r for r in running_batch.reqs if not r.finished()]
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        mem.before_prefill_pass(reqs, {r.rid for r in self.waiting_queue})
+    if sched is not None:
+        sched.before_pass(self)
+    plan = None
+    try:
+        plan = original(self, running_batch)
+    finally:  # the plan's requests SGLang did not take go back to their queues, even if the pass raised
+        if sched is not None:
+            taken = plan.batch_to_run.reqs if plan is not None and plan.batch_to_run is not None else []
+            sched.after_pass({r.rid for r in taken})
+    if mem is not None:
+        new = plan.batch_to_run.reqs if plan.batch_to_run is not None else []
+        mem.set_running([r for r in plan.running_batch.reqs if not r.finished()] + list(new)
+                        + ([self.chunked_req] if self.chunked_req is not None else []))
+    return plan
+
+
+def prefill_adder_init(result, self, *args, **kwargs):
+    """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take."""
+    process_state().building.adder = self
+
+
+def can_schedule_lora_req(original, self, req, running_loras):
+    sched = process_state().scheduler
+    if sched is not None and not sched.allows(req):
+        return False  # outside this pass's plan: keeps its place, and no adapter is loaded for it
+    if not original(self, req, running_loras):
+        return False
+    mem = process_state().memory
+    if mem is None:
+        return True
+    identity = process_state().adapters.identity(req.lora_id) if req.lora_id is not None else None
+    if req.lora_id is not None and identity is None:
+        return True  # unknown adapters are answered by ingress with HTTP 400
+    adder = getattr(process_state().building, "adder", None)
+    budget = None if adder is None else int(adder.memory_budget.remaining_total)
+    if not mem.admit(req.rid, identity, budget):
+        return False
+    if identity is not None:
+        mem.residency.acquire(identity)  # pinned until the pass ends and the counts are read off the batches
+    return True
+
+
+def add_one_req(original, self, req, *args, **kwargs):
+    """AROUND `PrefillAdder.add_one_req`: the plan's gate where LoRA is off (no `can_schedule_lora_req` call)."""
+    sched = process_state().scheduler
+    if sched is not None and not sched.allows(req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
+    return original(self, req, *args, **kwargs)
+
+
+def add_request_to_queue(result, self, req, *args, **kwargs):
+    """AFTER `Scheduler._add_request_to_queue`: the request's adapter counts as a visit for the eviction policy;
+    the multi-queue scheduler queues it (or re-queues one SGLang retracted)."""
+    if req.finished():
+        return
+    lora_id = getattr(req, "lora_id", None)
+    identity = process_state().adapters.identity(lora_id) if lora_id is not None else None
+    mem = process_state().memory
+    if mem is not None and (lora_id is None or identity is not None):
+        mem.record_request(identity)
+    sched = _scheduler_owner(self)
+    if sched is not None:
+        sched.on_arrival(req)
+
+
+def process_batch_result(result, self, batch, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result`: step statistics and finished requests; in test mode the memory's
+    and the multi-queue scheduler's invariants."""
+    if batch is None:
+        return
+    mem, sched = process_state().memory, process_state().scheduler
+    if mem is not None:
+        mem.after_step(batch)
+    if sched is not None:
+        sched.on_step(batch)
+    if flags.current().check_invariants:
+        if mem is not None:
+            mem.check_invariants()
+        if sched is not None:
+            sched.mq.check_invariants()
