@@ -1,0 +1,158 @@
+"""Live CPU servers of one build, three admission policies: `--multilora-scheduler multiqueue` against SGLang's
+`--schedule-policy fcfs` and `lpm`, on Chameleon's heterogeneous workload (Azure conversation lengths, adapters of
+ranks 8 to 128 with uniform rank popularity and a power law within a rank).
+
+Every arm: `--radix-cache-backend multilora` (the unified pool), the same adapters (random PEFT weights named and
+ranked as the workload's), the same KV budget; only the admission policy differs. The servers start once and stay
+up (idle ones sleep); each repeat replays the workload at every rate on every arm, the arms' order rotating per
+repeat, each replay on a flushed cache. Per arm and rate: TTFT mean / P50 / P99 and the share of requests within
+the TTFT SLO (median and spread over repeats); ratios multiqueue / fcfs per repeat.
+
+Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
+           [--out eval/results/multiqueue_live.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from eval.bench.unified_memory import CACHE, make_adapters, summarize
+from eval.live.driver import ServedAdapter, Target, replay
+from eval.workloads import create_workload
+from sgl_multilora.server import cpu_server_args, launch
+
+REPO = Path(__file__).resolve().parents[2]
+ARMS = {
+    "fcfs": ["--schedule-policy", "fcfs"],
+    "lpm": ["--schedule-policy", "lpm"],
+    "multiqueue": ["--schedule-policy", "fcfs", "--multilora-scheduler", "multiqueue"],
+}
+
+
+def within_slo(results, slo_s: float) -> float:
+    return sum(1 for r in results if r.error is None and r.ttft_s is not None and r.ttft_s <= slo_s) / max(
+        1, len(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=60)
+    parser.add_argument("--num-adapters", type=int, default=10)
+    parser.add_argument("--rate", type=float, default=1.0, help="requests/s at time scale 1")
+    parser.add_argument("--length-scale", type=float, default=0.1)
+    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--pool-tokens", type=int, default=12000)
+    parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO (also the scheduler's quota SLO)")
+    parser.add_argument("--time-scales", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
+    args = parser.parse_args()
+
+    from sgl_multilora.embedded import ensure_embedded_model
+
+    model = str(ensure_embedded_model())
+    params = {"num_requests": args.num_requests, "num_adapters": args.num_adapters, "rate": args.rate,
+              "length_scale": args.length_scale, "max_output_tokens": args.max_output_tokens}
+    workload = create_workload("heterogeneous", seed=args.seed, **params)
+    adapters_dir = make_adapters(model, workload, CACHE / f"heterogeneous-{args.num_adapters}")
+    max_rank = max(a.rank for a in workload.adapters)
+    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", "8", "--max-lora-rank",
+              str(max_rank), "--radix-cache-backend", "multilora", "--multilora-ttft-slo-s", str(args.slo_s),
+              "--multilora-requeue-s", "10"]
+    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        for name, extra in ARMS.items():
+            servers[name] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *common, *extra],
+                                   log_path=log_dir / f"multiqueue_live_{name}.log")
+        served = [ServedAdapter(a.name) for a in workload.adapters]
+        scales = [float(s) for s in args.time_scales.split(",")]
+        setup = {"workload": "heterogeneous", "params": params, "num_requests": len(workload.requests),
+                 "pool_tokens": args.pool_tokens, "slo_s": args.slo_s, "time_scales": scales,
+                 "repeats": args.repeats, "seed": args.seed, "arms": ARMS, "max_lora_rank": max_rank,
+                 "offered_rate": workload.offered_rate}
+        device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                  "load_avg_start": list(os.getloadavg())}
+        raw = args.out.with_name(args.out.stem + "_requests.jsonl")
+        raw.unlink(missing_ok=True)
+        runs, names = [], list(ARMS)
+        with tqdm(total=args.repeats * len(scales) * len(names), desc="replays") as bar:
+            for rep in range(args.repeats):
+                order = names[rep % len(names):] + names[:rep % len(names)]
+                for scale in scales:
+                    for name in order:
+                        requests.post(servers[name].url + "/flush_cache", timeout=60)
+                        time.sleep(1.0)
+                        results = replay(workload, [Target(name, servers[name].url)], raw, f"rep{rep}", served,
+                                         time_scale=scale, timeout_s=900)
+                        runs.append({"arm": name, "repeat": rep, "time_scale": scale,
+                                     "rate_req_s": workload.offered_rate * scale, **summarize(results),
+                                     "within_slo": within_slo(results, args.slo_s)})
+                        bar.update(1)
+        stats = requests.get(servers["multiqueue"].url + "/multilora/stats", timeout=60).json()["memory"][0]
+        device["load_avg_end"] = list(os.getloadavg())
+        record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                  "runs": runs, "multiqueue_stats_at_end": stats.get("scheduler")}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        text = report(record)
+        print(text)
+        args.out.with_suffix(".md").write_text(text)
+    finally:
+        for handle in servers.values():
+            handle.stop()
+
+
+def report(record: dict) -> str:
+    s, runs = record["setup"], record["runs"]
+    lines = [f"# Multi-queue admission vs SGLang's fcfs and lpm, live CPU server ({record['date'][:10]})", "",
+             f"Workload heterogeneous {s['params']} ({s['num_requests']} requests, offered "
+             f"{s['offered_rate']:.2f} req/s at time scale 1); every arm the same build with "
+             f"`--radix-cache-backend multilora`, {s['pool_tokens']} token slots, max rank {s['max_lora_rank']}; "
+             f"TTFT SLO {s['slo_s']} s; {s['repeats']} repeats, arms rotating. Machine: {record['device']}.", "",
+             "| rate (req/s) | arm | mean TTFT s | P50 TTFT s (min-max) | P99 TTFT s (min-max) | within SLO | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for scale in s["time_scales"]:
+        for arm in s["arms"]:
+            rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
+            if not rs:
+                continue
+
+            def med(key):
+                return statistics.median(r[key] for r in rs)
+
+            lines.append(
+                f"| {rs[0]['rate_req_s']:.2f} | {arm} | {med('mean_ttft_s'):.2f} | {med('p50_ttft_s'):.2f} "
+                f"({min(r['p50_ttft_s'] for r in rs):.2f}-{max(r['p50_ttft_s'] for r in rs):.2f}) | "
+                f"{med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-{max(r['p99_ttft_s'] for r in rs):.2f})"
+                f" | {med('within_slo'):.2f} | {sum(r['num_failed'] for r in rs)} |")
+    lines += ["", "Ratios multiqueue / fcfs per repeat (median, min-max):", ""]
+    for scale in s["time_scales"]:
+        ratios = {"P50": [], "P99": []}
+        for rep in range(s["repeats"]):
+            m = [r for r in runs if r["arm"] == "multiqueue" and r["repeat"] == rep and r["time_scale"] == scale]
+            f = [r for r in runs if r["arm"] == "fcfs" and r["repeat"] == rep and r["time_scale"] == scale]
+            if m and f and m[0].get("num_ok") and f[0].get("num_ok"):
+                ratios["P50"].append(m[0]["p50_ttft_s"] / f[0]["p50_ttft_s"])
+                ratios["P99"].append(m[0]["p99_ttft_s"] / f[0]["p99_ttft_s"])
+        if ratios["P50"]:
+            lines.append("- time scale {:g}: ".format(scale) + ", ".join(
+                f"{k} TTFT {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
