@@ -62,13 +62,12 @@ class LiveScheduler:
             return
         registry = process_state().adapters
         spec = registry.spec(req.lora_id) if getattr(req, "lora_id", None) is not None else None
-        adapter_tokens = 0
-        memory = process_state().memory
-        if spec is not None and memory is not None and spec.identity in memory.residency.ids():
-            adapter_tokens = memory.residency.entry(spec.identity).num_slots
         max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        # adapter_tokens 0: adapter memory is charged once per resident adapter by the pool (and SGLang's budget
+        # sees it), not once per request; charging every request its adapter's slots throttled the plan far below
+        # what the server could run (eval/results/multiqueue_live.md).
         self.mq.add(SchedRequest(req.rid, None if spec is None else spec.identity, len(req.origin_input_ids),
-                                 rank=0 if spec is None else spec.rank, adapter_tokens=adapter_tokens,
+                                 rank=0 if spec is None else spec.rank, adapter_tokens=0,
                                  max_new_tokens=max_new, arrival=self.now()))
 
     def on_step(self, batch) -> None:
