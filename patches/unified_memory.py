@@ -165,12 +165,9 @@ class LiveMemory:
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
-    def slots_for(self, adapter: LoadedAdapter) -> int:
-        return slots_needed(_shapes(adapter), self.half_elems)
-
     def check_fits(self, adapter: LoadedAdapter) -> None:
         """Raises ExceedsPoolError naming the adapter's size and the pool's for an adapter larger than the pool."""
-        n = self.slots_for(adapter)
+        n = slots_needed(_shapes(adapter), self.half_elems)
         if n > self.pool.num_slots:
             raise ExceedsPoolError(f"LoRA adapter '{adapter.spec.name}'", n, self.pool.num_slots,
                                    self.pool.slot_bytes)
@@ -183,9 +180,11 @@ class LiveMemory:
         ids.add(lora_id)
         if identity in self._host:
             return
-        self.check_fits(adapter)
         shapes = _shapes(adapter)
         n = slots_needed(shapes, self.half_elems)
+        if n > self.pool.num_slots:
+            raise ExceedsPoolError(f"LoRA adapter '{adapter.spec.name}'", n, self.pool.num_slots,
+                                   self.pool.slot_bytes)
         self._host[identity], self._shapes[identity] = adapter, shapes
         self.residency.add(identity, n)
         self.usage.add_adapter(identity, n * self.pool.slot_bytes)
@@ -203,7 +202,7 @@ class LiveMemory:
 
     def _remove_pending(self) -> None:
         for identity in list(self._pending_removal):
-            nodes = self.swapper._adapter_nodes(identity)
+            nodes = self.swapper.adapter_nodes(identity)
             if self.residency.num_running(identity) or any(n.lock_ref for n in nodes):
                 continue
             for node in nodes:
@@ -341,7 +340,7 @@ class LiveMemory:
         for identity in res.resident_ids():
             if res.num_running(identity):
                 continue
-            if any(n.lock_ref for n in self.swapper._adapter_nodes(identity)):
+            if any(n.lock_ref for n in self.swapper.adapter_nodes(identity)):
                 continue
             total += res.entry(identity).num_slots
         return total

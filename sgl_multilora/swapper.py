@@ -226,8 +226,8 @@ class Swapper:
         heapq.heapify(heap)
         return heap
 
-    def _adapter_nodes(self, adapter_id: str) -> list[Node]:
-        """The adapter's node in every namespace that has one."""
+    def adapter_nodes(self, adapter_id: str) -> list[Node]:
+        """The adapter's node in every namespace that has one (a snapshot). Pure query."""
         return [ns.children[adapter_id] for ns in self.tree.root.children.values() if adapter_id in ns.children]
 
     def _adapter_evictable(self, adapter_id: str, protect: str | None) -> bool:
@@ -238,13 +238,13 @@ class Swapper:
         if not self.dependency:
             return True
         return all(not n.children and not n.dependents and n.lock_ref == 0
-                   for n in self._adapter_nodes(adapter_id))
+                   for n in self.adapter_nodes(adapter_id))
 
     def _evict_adapter(self, adapter_id: str) -> None:
         num_slots = self.residency.entry(adapter_id).num_slots
         self.residency.drop(adapter_id)
         if self.dependency:
-            for node in self._adapter_nodes(adapter_id):
+            for node in self.adapter_nodes(adapter_id):
                 freed = self.tree.remove_adapter(node.parent.label, node.label, self.free_kv)
                 assert freed == 0, f"adapter {adapter_id!r} removed with {freed} tokens of KV depending on it"
         self.counters.adapter_evictions += 1
