@@ -26,5 +26,8 @@ def from_cli_args(original, cls, args):
         args.enable_lora = True
     ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
                                and not getattr(args, "disable_radix_cache", False))
+    if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):
+        raise ValueError("--multilora-host-kv-gb needs --radix-cache-backend multilora with --multilora-memory "
+                         "unified (the host tier holds what the unified pool evicts)")
     flags.export(ours)
     return original(cls, args)

@@ -66,6 +66,9 @@ class MultiLoRAArgs:
     requeue_s: float = 300.0
     # multiqueue: the TTFT SLO in the quota rule Tok_min >= S D (1/SLO + lambda) (seconds).
     ttft_slo_s: float = 5.0
+    # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
+    # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
+    host_kv_gb: float = 0.0
     # Set at parse time: the radix-cache backend is ours (the unified pool needs it).
     radix_backend: bool = False
 
@@ -122,6 +125,16 @@ def _fraction(value: str) -> float:
         number = -1.0
     if not 0.0 <= number <= 1.0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number between 0 and 1")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number >= 0")
     return number
 
 
@@ -216,6 +229,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.idle_watermark,
         metavar="FRACTION",
         help="Prefetch adapters only while the unified pool is used below this fraction.",
+    )
+    group.add_argument(
+        "--multilora-host-kv-gb",
+        type=_non_negative_float,
+        default=MultiLoRAArgs.host_kv_gb,
+        metavar="GB",
+        help="Host tier for the KV the unified pool evicts (GB of host memory; 0: off): evicted KV is written "
+        "there and copied back when a request reaches it again, instead of being recomputed.",
     )
     group.add_argument(
         "--multilora-scheduler",

@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -27,6 +28,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sgl_multilora.adapters import find_invocation_start
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.host_kv import LiveHostTier
 from sgl_multilora.patches.ingress import decode_extra_key
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
@@ -48,6 +51,7 @@ class MultiLoRARadixCache(RadixCache):
         self._last_stats_log = time.monotonic()
         self._adapter_refs: dict[str, AdapterRef] = {}  # identity -> its (immutable) key object
         self.memory: LiveMemory | None = None
+        self.host: LiveHostTier | None = None
         super().__init__(params)
         allocator = self.token_to_kv_pool_allocator
         if isinstance(allocator, UnifiedTokenAllocator):
@@ -56,6 +60,9 @@ class MultiLoRARadixCache(RadixCache):
             for lora_id, adapter in state.adapters.loaded_items():
                 self.memory.register(lora_id, adapter)
             state.memory = self.memory
+            host_kv_gb = flags.current().host_kv_gb
+            if host_kv_gb > 0:
+                self.host = self.memory.host = LiveHostTier(self.memory, host_kv_gb * 1e9)
             logger.info("sgl_multilora: one pool for adapters and KV: %d slots of %d B, eviction policy %s",
                         allocator.pool.num_slots, allocator.pool.slot_bytes, self.memory.policy.name)
 
@@ -104,6 +111,9 @@ class MultiLoRARadixCache(RadixCache):
         if memory is not None:  # a flush: the same adapters and pool, a new tree
             memory.swapper.tree = self.tree
             self.tree.score = memory.policy
+        host = getattr(self, "host", None)
+        if host is not None:  # a flush empties the host tier too
+            host.clear()
         self.root_node = self.tree.root
         self._empty_match_result = MatchResult(
             device_prefix_len=0,
@@ -120,12 +130,22 @@ class MultiLoRARadixCache(RadixCache):
                else self._key_without_req(params.key))
         result = self.tree.match(key)
         self._maybe_log_stats()
+        host_hit = 0
+        if self.host is not None and req is not None:
+            host_hit = self.host.host_hit(req.rid, key, result.prefix_len)
         return MatchResult(
             device_prefix_len=result.prefix_len,
             last_device_node=result.last_node,
             last_host_node=result.last_node,
             best_match_node=result.last_node,
+            host_hit_length=host_hit,
         )
+
+    def init_load_back(self, params: InitLoadBackParams):
+        """SGLang admits a request whose match reported a host hit: copy it back (all of it) or nothing."""
+        if self.host is None or params.req is None:
+            return 0, params.best_match_node
+        return self.host.load_back(self, params.req, params.best_match_node, params.host_hit_length)
 
     def touch_prefix(self, key) -> None:
         return None  # access times are refreshed by match_prefix, which always carries the request
@@ -238,6 +258,8 @@ class MultiLoRARadixCache(RadixCache):
         assert self.tree.evictable_len() + self.tree.protected_len() == self.total_size()
         if self.memory is not None:
             self.memory.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

@@ -162,6 +162,8 @@ class LiveMemory:
         self._starving: str | None = None  # the oldest such rid past STARVATION_S
         self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
         self.num_starvation_holds = 0
+        self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
+        self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
@@ -207,6 +209,8 @@ class LiveMemory:
                 continue
             for node in nodes:
                 self.swapper.tree.remove_adapter(node.parent.label, node.label, self.allocator.free_cached)
+            if self.host is not None:
+                self.host.remove_adapter(identity)
             if self.residency.is_loading(identity):
                 self.residency.finish_load(identity)
             if self.residency.is_resident(identity):
@@ -315,6 +319,8 @@ class LiveMemory:
             del self._skipped_since[rid]
         if self._starving not in self._skipped_since:
             self._starving = None
+        if self.host is not None:
+            self.host.prune(waiting_rids)
         self._remove_pending()
         self.set_running(reqs)
         self.swapper.tick(time.monotonic())
@@ -326,7 +332,8 @@ class LiveMemory:
         self.usage.record_batch(now, len(batch.reqs))
         if batch.forward_mode.is_extend() and self._prefill_started is not None:
             tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
-            if tokens > 0:
+            self.num_prefill_tokens += tokens
+            if tokens > 0 and self.host is None:  # with the host tier a KV run's cost is its copy (host_kv.py)
                 per_token = (time.perf_counter() - self._prefill_started) / tokens
                 self.usage.kv_reload_s_per_token += EMA * (per_token - self.usage.kv_reload_s_per_token)
         self._prefill_started = None
@@ -344,6 +351,10 @@ class LiveMemory:
                 continue
             total += res.entry(identity).num_slots
         return total
+
+    def host_adapter_bytes(self) -> int:
+        """Bytes of the adapters' host copies (one per registered adapter, never dropped)."""
+        return sum(a.num_bytes() for a in self._host.values())
 
     def pinned_slots(self) -> int:
         """Adapter and in-flight slots SGLang cannot have back now."""
@@ -386,6 +397,8 @@ class LiveMemory:
             "starvation_holds": self.num_starvation_holds,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "recompute_s_per_token": self.usage.kv_reload_s_per_token,
+            "prefill_tokens": self.num_prefill_tokens,
+            "host_tier": None if self.host is None else self.host.stats(),
         }
 
     def check_invariants(self) -> None:

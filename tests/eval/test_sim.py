@@ -152,7 +152,7 @@ def test_deterministic_for_a_seed():
     b = simulate("ours:elora", ads, reqs, config=cfg)
     assert [json.dumps(r.to_json()) for r in a.results] == [json.dumps(r.to_json()) for r in b.results]
     assert a.samples == b.samples and a.summary == b.summary
-    assert a.summary["num_kv_restores"] > 0 and a.system.host.num_dropped_tokens > 0  # both tiers at work
+    assert a.summary["num_kv_restores"] > 0 and a.system.host.counters.dropped_tokens > 0  # both tiers at work
     other = chat(seed=4)[1]
     assert [r.arrival_s for r in other] != [r.arrival_s for r in reqs]
 
@@ -325,7 +325,7 @@ def test_history_comes_back_from_host_hand_computed():
         assert res[rid].ttft_s == pytest.approx(copy + step, rel=1e-12), rid
     assert res["r3"].extra["host_restored_tokens"] == 1001 and res["r4"].extra["host_restored_tokens"] == 0
     host = run.system.host
-    assert host.num_restored_tokens == 1001 and run.summary["num_kv_restores"] == 1
+    assert host.counters.restored_tokens == 1001 and run.summary["num_kv_restores"] == 1
     assert host.used_bytes == 2002 * KVB  # r1 and r2 spilled; inclusive: r1's copy stays after the restore
     assert run.samples[-1]["host_kv"] == 2002 * KVB
 
@@ -359,11 +359,11 @@ def test_host_tier_accounting_exact_every_step(arm):
                                                     check_every_step=True))
     host = run.system.host
     assert len(run.results) == len(reqs)
-    assert host.num_restored_tokens > 0 and host.num_dropped_tokens > 0, "the test is too easy"
+    assert host.counters.restored_tokens > 0 and host.counters.dropped_tokens > 0, "the test is too easy"
     assert host.used_bytes == _host_tokens_by_walk(host) * KVB
-    assert host.used_bytes == (host.num_spilled_tokens - host.num_dropped_tokens) * KVB
+    assert host.used_bytes == (host.counters.spilled_tokens - host.counters.dropped_tokens) * KVB
     assert all(0 <= s["host_kv"] <= cap for s in run.samples)
-    assert sum(r.extra["host_restored_tokens"] for r in run.results) == host.num_restored_tokens
+    assert sum(r.extra["host_restored_tokens"] for r in run.results) == host.counters.restored_tokens
     assert not run.system.restores and run.system.restoring_tokens == 0
     if arm != "ours:elora:no-tree":
         assert all(s["invalid_kv"] == 0 for s in run.samples)

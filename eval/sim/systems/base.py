@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eval.sim.hostkv import RESTORE_ID_UNIT, HostKVTier, owner_of, restore_id_of
+from eval.sim.hostkv import RESTORE_ID_UNIT, owner_of, restore_id_of
+from sgl_multilora.host_tier import HostKVTier
 from eval.sim.latency import LatencyModel
 from eval.sim.link import PcieLink
 from eval.sim.systems.request import NS, Admit, SimRequest
@@ -273,7 +274,7 @@ class BaseSystem:
         sr.ready_s = max(sr.ready_s, done)
         self.restoring_tokens += n
         self.num_restores += 1
-        self.host.num_restored_tokens += n
+        self.host.restore(tagged, tagged)  # counted only: the simulator's copy is the link's
 
     def unlock(self, sr: SimRequest) -> None:
         if sr.lock_node is not None:

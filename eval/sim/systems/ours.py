@@ -22,10 +22,11 @@ open (evict at once on demand, 1% headroom, rescoring after an adapter eviction,
 
 from __future__ import annotations
 
-from eval.sim.hostkv import HOST_KV_BYTES, HostKVTier, gpu_path
+from eval.sim.hostkv import HOST_KV_BYTES
 from eval.sim.systems.base import BaseSystem
 from eval.sim.systems.request import NS
 from sgl_multilora.policy import create_policy
+from sgl_multilora.host_tier import HostKVTier, path_key
 from sgl_multilora.swapper import Swapper
 from sgl_multilora.tree_nodes import Node
 
@@ -40,9 +41,8 @@ class Ours(BaseSystem):
         super().__init__(adapters, lat, pool_total_bytes)
         host_kv_bytes = HOST_KV_BYTES if host_kv_bytes is None else host_kv_bytes
         if host_kv_bytes:
-            self.host = HostKVTier(host_kv_bytes, self.kvb, clock=lambda: self.now)
+            self.host = HostKVTier(host_kv_bytes // self.kvb, bytes_per_token=self.kvb, clock=lambda: self.now)
             self.usage.kv_reload_s_per_token = self.kvb / lat.hw.pcie_bytes_per_s
-        self.by_identity = {r.identity: r for r in self.refs.values()}
         self.policy = create_policy(policy, context=self.usage, **(policy_kwargs or {}))
         self.tree.score = self.policy
         self.dependency = dependency
@@ -63,7 +63,7 @@ class Ours(BaseSystem):
 
     def _spill(self, node: Node) -> None:
         """A KV leaf the swapper evicts goes to the host tier (its whole path, so the host stays prefix-closed)."""
-        self.host.spill(*gpu_path(node, self.by_identity, NS))
+        self.host.spill(*path_key(node))
 
     # ---- the swapper decides ----------------------------------------------------------------------
 

@@ -1,0 +1,199 @@
+"""`--multilora-host-kv-gb`: the host tier of the live server, through SGLang's own host-hit protocol.
+
+Lives here: `HostKVStore` (host slots: per-layer K and V tensors in host memory, the copies between them and
+SGLang's KV buffers) and `LiveHostTier` (the scheduler process's owner of the core `HostKVTier` over that store:
+spill on eviction, host hits on match, load-back on admission, stats). `radix_backend.py` calls it. Not here: the
+tier's rules (`sgl_multilora/host_tier.py`, shared with the simulator), the pool and the swapper.
+
+How a request gets its history back, in SGLang's terms (the same calls SGLang's HiCache and FlexKV caches use):
+1. `match_prefix` returns the device match plus `host_hit_length`, the tokens the host tier holds beyond it, when
+   the request's adapter is resident (the dependency rule: host KV returns only below a resident adapter).
+2. SGLang's `PrefillAdder` budgets the request with those tokens as extend tokens, pins the device match and
+   calls `init_load_back`: slots are taken from the pool (evicting, which may spill others, never this match or
+   this host run), the KV is copied host -> device, the run joins the device tree as cached KV, and the request's
+   prefix grows by exactly the promised tokens; or nothing is loaded (the host or the device changed since the
+   match) and SGLang recomputes them.
+3. Evicted leaves spill: the swapper's `on_evict_kv` writes the leaf's whole path (only what the host lacks).
+
+Copies are synchronous on CPU. On CUDA the host tensors are pinned and both directions are issued non-blocking
+on the scheduler's current stream, so they are ordered with the forward passes that read or overwrite the slots.
+
+Why not SGLang's HiCache (`--enable-hierarchical-cache`): its `HiRadixCache` is another prefix-cache class (the
+backend registry gives a server one), keyed by tokens and extra_key strings only, with no adapter nodes, aLoRA
+suffixes or dependency rule; its cache controller and host pool need CUDA streams and pointer tables. What fits is
+reused: SGLang's admission protocol for host hits (`host_hit_length`, `init_load_back`, cache-owned loads) and its
+sizing convention (GB = 1e9 bytes, as `--hicache-size`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sgl_multilora.host_tier import HostKVTier, path_key
+from sgl_multilora.keys import MatchKey
+from sgl_multilora.tree_nodes import Node
+
+logger = logging.getLogger(__name__)
+
+EMA = 0.2
+
+
+class HostKVStore:
+    """`capacity` host slots of one token's K and V over every layer, and the copies to and from SGLang's
+    `k_buffer[l]` / `v_buffer[l]`. Memory is reserved, not touched: pages are committed as slots are written."""
+
+    def __init__(self, k_buffers, v_buffers, capacity: int) -> None:
+        self.k_buffers, self.v_buffers = k_buffers, v_buffers
+        self.device = k_buffers[0].device
+        pin = self.device.type == "cuda"
+        self.non_blocking = pin
+        k0, v0 = k_buffers[0], v_buffers[0]
+        layers = len(k_buffers)
+        self.host_k = torch.empty((layers, capacity, *k0.shape[1:]), dtype=k0.dtype, pin_memory=pin)
+        self.host_v = torch.empty((layers, capacity, *v0.shape[1:]), dtype=v0.dtype, pin_memory=pin)
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))  # a stack: low ids first
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        ids = self._free[-n:][::-1]
+        del self._free[-n:]
+        return ids
+
+    def free(self, host_ids: list[int]) -> None:
+        self._free.extend(host_ids)
+
+    def write(self, host_ids: list[int], device_values) -> None:
+        h = torch.tensor(host_ids, dtype=torch.int64)
+        d = torch.tensor(list(device_values), dtype=torch.int64, device=self.device)
+        for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
+            for layer, buffer in enumerate(buffers):
+                host[layer].index_copy_(0, h, buffer.index_select(0, d).to("cpu", non_blocking=self.non_blocking))
+
+    def read(self, host_ids, device_values) -> None:
+        h = torch.tensor(list(host_ids), dtype=torch.int64)
+        d = torch.tensor(list(device_values), dtype=torch.int64, device=self.device)
+        for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
+            for layer, buffer in enumerate(buffers):
+                buffer.index_copy_(0, d, host[layer].index_select(0, h).to(self.device, non_blocking=self.non_blocking))
+
+
+class LiveHostTier:
+    """The host tier of one scheduler process (see the module docstring)."""
+
+    def __init__(self, memory, capacity_bytes: float) -> None:
+        self.memory = memory  # the unified pool's LiveMemory
+        slot_bytes = memory.pool.slot_bytes
+        capacity = int(capacity_bytes // slot_bytes)
+        if capacity <= 0:
+            raise ValueError(f"--multilora-host-kv-gb {capacity_bytes / 1e9:g} holds no token of KV "
+                             f"({slot_bytes} B per token)")
+        tree = memory.swapper.tree
+        self.store = HostKVStore(memory.k_buffers, memory.v_buffers, capacity)
+        self.tier = HostKVTier(capacity, bytes_per_token=slot_bytes, page_size=tree.page_size, store=self.store)
+        self.copy_s_per_token: float | None = None
+        self.promised: dict[str, tuple[MatchKey, int, int]] = {}  # rid -> (key, device len, host hit length)
+        self.num_load_backs = 0
+        self.num_declined = 0  # promised host hits not loaded (recomputed instead)
+        self.num_declined_tokens = 0
+        memory.swapper.on_evict_kv = self.spill
+        logger.info("sgl_multilora: host KV tier of %d tokens (%.2f GB)", capacity, capacity * slot_bytes / 1e9)
+
+    # ---- spill --------------------------------------------------------------------------------------------------
+
+    def spill(self, node: Node) -> None:
+        """The swapper is about to evict this KV leaf: its path goes to the host (what the host lacks)."""
+        self.tier.spill(*path_key(node))
+
+    # ---- match and load-back ------------------------------------------------------------------------------------
+
+    def host_hit(self, rid: str, key: MatchKey, device_len: int) -> int:
+        """Tokens of `key` the host holds beyond the device match (0 if none, or if the key's adapter is not
+        resident); remembered for `load_back`."""
+        self.promised.pop(rid, None)
+        if key.adapter is not None and not self.memory.residency.is_resident(key.adapter.identity):
+            return 0
+        found = self.tier.match(key, touch=False).prefix_len
+        if found <= device_len:
+            return 0
+        self.promised[rid] = (key, device_len, found - device_len)
+        return found - device_len
+
+    def load_back(self, cache, req, device_node: Node, host_hit_length: int) -> tuple[int, Node]:
+        """SGLang's `init_load_back`: copies exactly the promised tokens back and inserts them as cached KV, or
+        nothing. Returns (tokens loaded, the request's new last node)."""
+        promised = self.promised.pop(req.rid, None)
+        if promised is None or promised[2] != host_hit_length:
+            return self._decline(host_hit_length, device_node)
+        key, device_len, n = promised
+        end = device_len + n
+        key = MatchKey(key.namespace, key.adapter, key.token_ids[:end], key.alora_start)
+        tree = cache.tree
+        if device_node.is_evicted:
+            return self._decline(n, device_node)
+        device = tree.match(key, touch=False)
+        host = self.tier.match(key)
+        if device.prefix_len != device_len or host.prefix_len < end:
+            return self._decline(n, device_node)
+        if key.adapter is not None and not self.memory.residency.is_resident(key.adapter.identity):
+            return self._decline(n, device_node)
+        self.tier.lock(host.last_node)  # making room may spill and drop: never this run
+        tree.lock(device.last_node)
+        try:
+            began = time.perf_counter()
+            allocator = cache.token_to_kv_pool_allocator
+            slots = allocator.alloc(n)
+            if slots is None:
+                self.memory.evict(n)
+                slots = allocator.alloc(n)
+            if slots is None:
+                return self._decline(n, device_node)
+            new = slots.tolist()
+            self.tier.restore(host.kv_values[device_len:end], new)
+            result = tree.insert(key, device.kv_values + new)
+            assert result.prefix_len == device_len, (result.prefix_len, device_len)
+            allocator.mark_cached(new)
+            per_token = (time.perf_counter() - began) / n
+        finally:
+            tree.unlock(device.last_node)
+            self.tier.unlock(host.last_node)
+        self.copy_s_per_token = per_token if self.copy_s_per_token is None else (
+            self.copy_s_per_token + EMA * (per_token - self.copy_s_per_token))
+        self.memory.usage.kv_reload_s_per_token = self.copy_s_per_token  # ELORA: a KV run's cost is its copy
+        self.num_load_backs += 1
+        return n, result.last_node
+
+    def _decline(self, n: int, node: Node) -> tuple[int, Node]:
+        self.num_declined += 1
+        self.num_declined_tokens += n
+        return 0, node
+
+    # ---- adapters, flush, observation ---------------------------------------------------------------------------
+
+    def remove_adapter(self, identity: str) -> None:
+        self.tier.remove_adapter(identity)
+
+    def clear(self) -> None:
+        self.tier.clear()
+        self.promised.clear()
+
+    def prune(self, waiting_rids: set[str]) -> None:
+        """Forgets promises to requests no longer waiting (admitted without a load-back, or aborted)."""
+        for rid in [r for r in self.promised if r not in waiting_rids]:
+            del self.promised[rid]
+
+    def stats(self) -> dict:
+        return {**self.tier.stats(), "load_backs": self.num_load_backs, "declined_load_backs": self.num_declined,
+                "declined_tokens": self.num_declined_tokens, "copy_s_per_token": self.copy_s_per_token,
+                "adapter_host_copies_bytes": self.memory.host_adapter_bytes()}
+
+    def check_invariants(self) -> None:
+        self.tier.check_invariants()
