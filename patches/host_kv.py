@@ -20,7 +20,8 @@ on the scheduler's current stream, so they are ordered with the forward passes t
 
 Why not SGLang's HiCache (`--enable-hierarchical-cache`): its `HiRadixCache` is another prefix-cache class (the
 backend registry gives a server one), keyed by tokens and extra_key strings only, with no adapter nodes, aLoRA
-suffixes or dependency rule; its cache controller and host pool need CUDA streams and pointer tables. What fits is
+suffixes or dependency rule; its cache controller and host pool need CUDA (on a CPU-only torch the host pool's
+allocation stops the scheduler: `pool_host/common.py` registers the buffer with `torch.cuda.cudart()`). What fits is
 reused: SGLang's admission protocol for host hits (`host_hit_length`, `init_load_back`, cache-owned loads) and its
 sizing convention (GB = 1e9 bytes, as `--hicache-size`).
 """
@@ -39,6 +40,7 @@ from sgl_multilora.tree_nodes import Node
 logger = logging.getLogger(__name__)
 
 EMA = 0.2
+PREFETCH_CANDIDATES = 16  # host leaves the idle swap-in considers per tick, highest score first
 
 
 class HostKVStore:
@@ -105,6 +107,7 @@ class LiveHostTier:
         self.num_declined = 0  # promised host hits not loaded (recomputed instead)
         self.num_declined_tokens = 0
         memory.swapper.on_evict_kv = self.spill
+        memory.swapper.kv_prefetch = self.prefetch
         logger.info("sgl_multilora: host KV tier of %d tokens (%.2f GB)", capacity, capacity * slot_bytes / 1e9)
 
     # ---- spill --------------------------------------------------------------------------------------------------
@@ -127,16 +130,16 @@ class LiveHostTier:
         self.promised[rid] = (key, device_len, found - device_len)
         return found - device_len
 
-    def load_back(self, cache, req, device_node: Node, host_hit_length: int) -> tuple[int, Node]:
+    def load_back(self, rid: str, device_node: Node, host_hit_length: int) -> tuple[int, Node]:
         """SGLang's `init_load_back`: copies exactly the promised tokens back and inserts them as cached KV, or
         nothing. Returns (tokens loaded, the request's new last node)."""
-        promised = self.promised.pop(req.rid, None)
+        promised = self.promised.pop(rid, None)
         if promised is None or promised[2] != host_hit_length:
             return self._decline(host_hit_length, device_node)
         key, device_len, n = promised
         end = device_len + n
         key = MatchKey(key.namespace, key.adapter, key.token_ids[:end], key.alora_start)
-        tree = cache.tree
+        tree = self.memory.swapper.tree
         if device_node.is_evicted:
             return self._decline(n, device_node)
         device = tree.match(key, touch=False)
@@ -149,7 +152,7 @@ class LiveHostTier:
         tree.lock(device.last_node)
         try:
             began = time.perf_counter()
-            allocator = cache.token_to_kv_pool_allocator
+            allocator = self.memory.allocator
             slots = allocator.alloc(n)
             if slots is None:
                 self.memory.evict(n)
@@ -170,6 +173,34 @@ class LiveHostTier:
         self.memory.usage.kv_reload_s_per_token = self.copy_s_per_token  # ELORA: a KV run's cost is its copy
         self.num_load_backs += 1
         return n, result.last_node
+
+    def prefetch(self, room: int) -> int:
+        """The idle swapper's swap-in of host KV: the highest-scored host leaves whose adapter is resident get the
+        part of their path the device lacks copied back as cached KV, into at most `room` free slots (never
+        evicting). Returns the slots used."""
+        tree = self.memory.swapper.tree
+        score, now = self.memory.policy.score, tree.clock()
+        allocator, residency = self.memory.allocator, self.memory.residency
+        leaves = sorted(self.tier.tree.evictable_leaves(), key=lambda n: (-score(n, now), n.id))
+        used = 0
+        for leaf in leaves[:PREFETCH_CANDIDATES]:
+            key, host_values = path_key(leaf)
+            if key.adapter is not None and not residency.is_resident(key.adapter.identity):
+                continue  # host KV of an absent adapter stays on the host (the dependency rule)
+            device = tree.match(key, touch=False)
+            n = len(host_values) - device.prefix_len
+            if n <= 0 or n > room - used:
+                continue
+            slots = allocator.alloc(n)
+            if slots is None:
+                break
+            new = slots.tolist()
+            self.tier.restore(host_values[device.prefix_len:], new)
+            result = tree.insert(key, device.kv_values + new)
+            assert result.prefix_len == device.prefix_len, (result.prefix_len, device.prefix_len)
+            allocator.mark_cached(new)
+            used += n
+        return used
 
     def _decline(self, n: int, node: Node) -> tuple[int, Node]:
         self.num_declined += 1

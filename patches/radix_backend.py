@@ -145,7 +145,7 @@ class MultiLoRARadixCache(RadixCache):
         """SGLang admits a request whose match reported a host hit: copy it back (all of it) or nothing."""
         if self.host is None or params.req is None:
             return 0, params.best_match_node
-        return self.host.load_back(self, params.req, params.best_match_node, params.host_hit_length)
+        return self.host.load_back(params.req.rid, params.best_match_node, params.host_hit_length)
 
     def touch_prefix(self, key) -> None:
         return None  # access times are refreshed by match_prefix, which always carries the request

@@ -11,8 +11,9 @@ make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suff
 dependents: those join the heap. So the resident set stays closed under dependency at every instant: no
 resident KV of a non-resident adapter (invalid KV == 0), no locked node and no used adapter ever evicted.
 Idle (`tick`): every `swap_interval_s`, while used slots are below `idle_watermark` of the pool, absent
-adapters start loading in descending score, stopping before one would cross the watermark (ELORA's swap-in;
-only adapters: prefetching host KV waits for the host tier).
+adapters start loading in descending score, stopping before one would cross the watermark, then the host tier
+(when there is one: `kv_prefetch`) copies back host KV, highest score first, into what is left below the
+watermark (ELORA's swap-in of adapters and KV).
 
 Choices the paper leaves open (shared/reference/seed-elora.md), and why:
 - A11: a request that needs slots evicts at once (`make_room`) rather than waiting for the next tick: the
@@ -55,6 +56,7 @@ class SwapperCounters:
     adapter_loads: int = 0
     prefetches: int = 0
     refused_loads: int = 0  # loads the loader refused (slots it cannot use, e.g. runs too short)
+    kv_prefetched_slots: int = 0  # host KV copied back by the idle swap-in
 
 
 class Swapper:
@@ -62,7 +64,8 @@ class Swapper:
 
     `residency.usage` must be set: adapters are scored by their `AdapterRecord`. `free_kv(values)` gives an
     evicted KV run's slots back (default: `pool.release("kv_cached", values)`); `on_evict_kv(node)` runs just
-    before a KV leaf is evicted (a host tier copies it out). The clock is the tree's.
+    before a KV leaf is evicted (a host tier copies it out); `kv_prefetch(slots)` copies host KV back into at
+    most `slots` free slots, never evicting, and returns the slots it used. The clock is the tree's.
     """
 
     def __init__(self, tree: LoraRadixTree, pool: UnifiedPool, residency: AdapterResidency,
@@ -83,6 +86,7 @@ class Swapper:
         self.swap_interval_s = swap_interval_s
         self.free_kv = free_kv if free_kv is not None else self._release_kv
         self.on_evict_kv = on_evict_kv
+        self.kv_prefetch: Callable[[int], int] | None = None
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
 
@@ -162,7 +166,8 @@ class Swapper:
     def tick(self, now: float) -> list[str]:
         """Finishes done loads (returned, as `poll_loads`); then, once per `swap_interval_s`, while used
         slots are below `idle_watermark` of the pool, starts loading absent adapters, highest score first
-        (ties by id), stopping before one would cross the watermark. Never evicts."""
+        (ties by id), stopping before one would cross the watermark, and gives what is left below it to
+        `kv_prefetch`. Never evicts."""
         done = self.poll_loads()
         if not self.prefetch or now < self._next_swap_s:
             return done
@@ -179,6 +184,9 @@ class Swapper:
             if not self._start(adapter_id):
                 break
             self.counters.prefetches += 1
+        room = int(limit) - self.pool.num_used
+        if self.kv_prefetch is not None and room > 0:
+            self.counters.kv_prefetched_slots += self.kv_prefetch(room)
         return done
 
     # ---- observation -----------------------------------------------------------------------------

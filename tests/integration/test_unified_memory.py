@@ -11,11 +11,11 @@ import warnings
 
 import pytest
 import torch
+from sgl_multilora.patches import cpu_compat
+from sgl_multilora.patches.state import process_state
 
 from sgl_multilora.adapters import AdapterSpec, LoadedAdapter
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
-from sgl_multilora.patches import cpu_compat
-from sgl_multilora.patches.state import process_state
 from sgl_multilora.pool import ExceedsPoolError
 from sgl_multilora.tree import LoraRadixTree
 
@@ -28,9 +28,8 @@ def sglang_pool_classes():
     cpu_compat.install()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
         from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     return MHATokenToKVPool, UnifiedTokenAllocator, LiveMemory
 
 
@@ -204,3 +203,64 @@ def test_a_request_kept_out_too_long_holds_later_admissions_until_it_gets_in(wor
     assert memory.admit("r1", ident["c"], budget=None)
     assert memory.admit("r2", None, budget=None)  # released
     assert memory.stats()["starvation_holds"] == 1
+
+
+def test_host_tier_spills_prefetches_and_loads_back_the_same_bytes(world):
+    """The host tier over the same buffers: KV the pool evicts is written to the host; the idle swap-in copies it
+    back below the watermark; a promised host hit is loaded back into other slots; both with the original bytes."""
+    from sgl_multilora.patches.host_kv import LiveHostTier
+
+    kv, allocator, tree, memory, adapters, clock = world
+    host = LiveHostTier(memory, capacity_bytes=40 * allocator.pool.slot_bytes)
+    keys = [MatchKey(NS, None, list(range(100 * i, 100 * i + 12))) for i in range(3)]
+    original = {}
+    for key in keys:
+        ids = allocator.alloc(12)
+        for layer in range(LAYERS):
+            kv.k_buffer[layer][ids] = torch.randn(12, HEADS, DIM)
+            kv.v_buffer[layer][ids] = torch.randn(12, HEADS, DIM)
+        tree.insert(key, ids.tolist())
+        allocator.mark_cached(ids.tolist())
+        original[tuple(key.token_ids)] = [(kv.k_buffer[layer][ids].clone(), kv.v_buffer[layer][ids].clone())
+                                          for layer in range(LAYERS)]
+    clock[0] = 1.0
+    assert memory.evict(SLOTS) >= 36  # everything cached goes, through the swapper, to the host
+    assert tree.total_len() == 0 and host.tier.used_tokens == 36
+    memory.check_invariants()
+    host.check_invariants()
+
+    def assert_bytes(key):
+        m = tree.match(key, touch=False)
+        assert m.prefix_len == 12, m.prefix_len
+        ids = torch.tensor(m.kv_values)
+        for layer, (k, v) in enumerate(original[tuple(key.token_ids)]):
+            assert torch.equal(kv.k_buffer[layer][ids], k) and torch.equal(kv.v_buffer[layer][ids], v)
+
+    # A promised host hit (SGLang's init_load_back): exactly the promised tokens come back, as cached KV.
+    device = tree.match(keys[0])
+    assert host.host_hit("r0", keys[0], device.prefix_len) == 12
+    loaded, node = host.load_back("r0", device.last_node, 12)
+    assert loaded == 12 and not node.is_evicted
+    assert_bytes(keys[0])
+    assert allocator.pool.num_of("kv_cached") == tree.total_len() == 12
+    # A promise that no longer holds (the host lost the run) loads nothing: SGLang recomputes.
+    assert host.host_hit("r1", keys[1], 0) == 12
+    host.clear()
+    assert host.load_back("r1", tree.root, 12)[0] == 0 and host.num_declined == 1
+    # Refill the host and let the idle swap-in bring KV back below the watermark (0.7 of the pool).
+    for key in keys[1:]:
+        ids = allocator.alloc(12)
+        tree.insert(key, ids.tolist())
+        allocator.mark_cached(ids.tolist())
+        original[tuple(key.token_ids)] = [(kv.k_buffer[layer][ids].clone(), kv.v_buffer[layer][ids].clone())
+                                          for layer in range(LAYERS)]
+    memory.evict(SLOTS)
+    assert host.tier.used_tokens >= 24
+    clock[0] = 2.0
+    memory.swapper.tick(10.0)
+    assert memory.swapper.counters.kv_prefetched_slots >= 24
+    for key in keys[1:]:
+        assert_bytes(key)
+    memory.check_invariants()
+    host.check_invariants()
+    assert allocator.pool.num_of("kv_cached") == tree.total_len()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_multilora.patches.host_kv import HostKVStore
 
 from sgl_multilora.host_tier import HostKVTier, path_key
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
-from sgl_multilora.patches.host_kv import HostKVStore
 from sgl_multilora.tree import LoraRadixTree
 
 NS, OTHER_NS = Namespace("m"), Namespace("m", cache_salt="tenant-b")

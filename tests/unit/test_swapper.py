@@ -137,7 +137,7 @@ def test_eviction_order_per_policy(policy, order):
     assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
     assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
                                  "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0, "refused_loads": 0,
-                                 "invalid_kv_slots": 0}
+                                 "kv_prefetched_slots": 0, "invalid_kv_slots": 0}
     w.check()
 
 
@@ -241,6 +241,33 @@ def test_prefetch_stops_at_the_watermark():
     assert w.swapper.tick(4.2) == [] and len(w.loader.started) == 2
     assert w.swapper.make_room(5)  # busy: A (last requested at t=2) is the least recent item
     assert w.log == ["A"]
+    w.check()
+
+
+def test_host_kv_swap_in_gets_what_the_adapters_left_below_the_watermark():
+    w = World("lru", sizes={"A": 300, "B": 100})  # idle_watermark 0.7 of 12 slots: 8.4
+    asked = []
+
+    def kv_prefetch(room: int) -> int:  # as the host tier does: copy back a 3-token run if it fits, never evict
+        asked.append(room)
+        if room < 3:
+            return 0
+        key = w.key(None, [len(asked), 0, 0])
+        ids = w.pool.alloc("kv_cached", 3).ids()
+        w.tree.insert(key, ids)
+        return 3
+
+    w.swapper.kv_prefetch = kv_prefetch
+    w.usage.record_request("A", 1.0)
+    w.usage.record_request("B", 1.5)
+    w.swapper.tick(2.0)  # B (1 slot) and A (3) start: 4 used, 4 left below 8
+    assert asked == [4] and w.kinds()["kv_cached"] == 3 and w.kinds()["in_flight"] == 4
+    w.loader.done |= {"A", "B"}
+    w.swapper.tick(2.2)  # 7 used: room for 1, too short for a run
+    assert asked == [4, 1] and w.swapper.counters.kv_prefetched_slots == 3
+    w.serve(2.3, None, [9])
+    w.swapper.tick(2.4)  # 8 used: nothing left below the watermark, not asked
+    assert asked == [4, 1]
     w.check()
 
 
