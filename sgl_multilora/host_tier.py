@@ -20,8 +20,8 @@ Rules (the dependency rule across tiers, seed-elora.md 2.2 / 2.4):
   copy until dropped, so the next eviction of the same run costs no write. Tokens already on host are not
   written again.
 - Drop: when a spill does not fit, the least recently used unlocked host leaves are dropped first; a spill never
-  drops its own path (it is locked while room is made). If nothing more can be dropped the spill is refused
-  (counted) and the device eviction goes on without it.
+  drops its own path (it is locked while room is made). A spill that would not fit even with every unlocked leaf
+  dropped is refused (counted) before anything is dropped, and the device eviction goes on without it.
 - Restore: the caller copies host values back only below a device-resident prefix whose adapter is resident
   (ELORA swaps in host subtree roots whose parent is resident); host KV under a non-resident adapter is legal.
 - An adapter's host KV goes when the adapter is unloaded (`remove_adapter`); a flush drops everything.
@@ -122,7 +122,8 @@ class HostKVTier:
 
     def spill(self, key: MatchKey, device_values: Sequence[int]) -> int:
         """Writes a device path about to be evicted (`path_key`); returns the tokens newly written. Drops least
-        recently used host leaves to make room, never this path; refuses (0, counted) if that is not enough."""
+        recently used host leaves to make room, never this path; refuses (0, counted, nothing dropped) if even
+        dropping every unlocked leaf would not make room."""
         c = self.counters
         c.spills += 1
         have = self.tree.match(key)  # touches the part already on host
@@ -133,12 +134,12 @@ class HostKVTier:
         if lock is not None:
             self.tree.lock(lock)
         try:
+            if new > self.capacity_tokens - self.tree.protected_len():  # cannot fit even after every drop
+                c.refused_spills += 1
+                return 0
             short = self.used_tokens + new - self.capacity_tokens
             if short > 0:
                 self.tree.evict(short, self._drop)
-            if self.used_tokens + new > self.capacity_tokens:
-                c.refused_spills += 1
-                return 0
             tail = list(device_values[have.prefix_len:])
             if self.store is None:
                 host_ids = tail

@@ -11,9 +11,10 @@ Writes (all figures simulated):
   from the runs (`compare_report.py`, `findings.py`); `--markdown-only` rewrites it from
   `<out>_runs.jsonl`.
 
-Ours and its ablations have ELORA's host KV tier (eval/sim/hostkv.py, `--host-kv-gb`, default 128 GB); the
-arm `ours:elora:no-host-kv` (swept at every rate) is the model without it, as the figures before the tier.
-`--host-kv-gb 0` turns the tier off in every arm.
+Ours and its ablations have ELORA's host KV tier (sgl_multilora/host_tier.py, `--host-kv-gb`, default 128 GB),
+and so does `sglang:hicache` (stock SGLang with its hierarchical cache, the same budget); the arm
+`ours:elora:no-host-kv` (swept at every rate) is ours without it. `--host-kv-gb 0` turns the tier off in every
+arm.
 
 Usage: .venv/bin/python -m eval.sim.compare [--num-adapters 20,100] [--rates 4,8,12,16] [--out PREFIX]
 """
@@ -42,8 +43,9 @@ from eval.workloads.records import AdapterInfo
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAIN_ARMS = ("vllm", "slora", "sglang", "ours:elora")
-SWEEP_ARMS = ("ours:elora:no-host-kv",)
-"""Run at every rate like the main arms (its reductions are the pre-tier model's), not written to <out>.jsonl."""
+SWEEP_ARMS = ("ours:elora:no-host-kv", "sglang:hicache")
+"""Run at every rate like the main arms (ours without the tier; stock SGLang with HiCache on the same host
+budget), not written to <out>.jsonl."""
 ABLATION_ARMS = ("ours:lru", "ours:chameleon", "ours:elora:no-tree", "ours:elora:-lora_count",
                  "ours:elora:-cost", "ours:elora:-visit", "ours:elora:-recency", "ours:elora:tau=10",
                  "ours:elora:tau=60", "ours:elora:no-prefetch", "ours:elora:host-kv=32")

@@ -40,12 +40,13 @@ def _header(args: argparse.Namespace, host_kv_bytes: int) -> list[str]:
             f"think time, {args.mean_new_tokens:g} new tokens per turn, Zipf adapter popularity; "
             "adapters of rank 32/64 on all seven linear layers (168 / 336 MB). Pool for KV + "
             f"adapters: {pool_bytes(LatencyModel()) / 1e9:.1f} GB.", "",
-            "Host KV tier (eval/sim/hostkv.py): ours and its ablations spill evicted history KV "
-            f"to a {host_kv_bytes / 1e9:g} GB host pool (LRU) and copy it back over PCIe (50 GB/s, "
-            "FIFO with the adapter copies) instead of recomputing it; `ours:elora:no-host-kv` "
-            "drops it, as every baseline does (ELORA's vLLM and S-LoRA baselines and stock SGLang "
-            "have no host KV tier). \"KV hit\" below counts both tiers; \"from host\" is the share "
-            "of prompt tokens copied back from the host.", ""]
+            "Host KV tier (sgl_multilora/host_tier.py, the server's object): ours and its ablations "
+            f"spill evicted history KV to a {host_kv_bytes / 1e9:g} GB host pool (LRU) and copy it "
+            "back over PCIe (50 GB/s, FIFO with the adapter copies) instead of recomputing it; "
+            "`ours:elora:no-host-kv` drops it. `sglang:hicache` is stock SGLang with its hierarchical "
+            "cache, given the same host tier and budget; the other baselines have none (ELORA's vLLM "
+            "and S-LoRA baselines, and the stock SGLang ELORA ran). \"KV hit\" below counts both "
+            "tiers; \"from host\" is the share of prompt tokens copied back from the host.", ""]
 
 
 def _tables(s: dict, n: int, arms: list[str], rates: list[float]) -> list[str]:
@@ -98,10 +99,11 @@ def _beside_paper(f: Findings, ablation_rates: list[float]) -> list[str]:
              "| figure | ELORA (paper, measured on H800s) | ours (simulated) | "
              "ours without host KV tier |",
              "|---|---|---|---|"]
-    names = {"vllm": "vLLM", "slora": "S-LoRA", "sglang": "stock SGLang"}
+    names = {"vllm": "vLLM", "slora": "S-LoRA", "sglang": "stock SGLang",
+             "sglang:hicache": "stock SGLang + HiCache (same host budget)"}
     for base in BASELINES:
         paper = (_pct(PAPER_TTFT_REDUCTION[base]) if base in PAPER_TTFT_REDUCTION
-                 else f"(excluded: {PAPER_SGLANG_TTFT_MS} ms TTFT)")
+                 else f"(excluded: {PAPER_SGLANG_TTFT_MS} ms TTFT)" if base == "sglang" else "-")
         lines.append(f"| mean TTFT vs {names[base]} | {paper} | {_pct(red[base])} | "
                      f"{_pct(pre[base])} |")
     no_tree = "ours:elora:no-tree"

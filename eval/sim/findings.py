@@ -25,7 +25,7 @@ PAPER_ABLATIONS = {"ours:lru": 1.42, "ours:elora:no-tree": 1.51, "ours:elora:-lo
 
 OURS = "ours:elora"
 NO_TIER = "ours:elora:no-host-kv"
-BASELINES = ("vllm", "slora", "sglang")
+BASELINES = ("vllm", "slora", "sglang", "sglang:hicache")
 ORDER_ONLY = {"ours:lru": "WOS", "ours:elora:no-tree": "WOM", "ours:elora:-lora_count": "WOL",
               "ours:elora:-cost": "WOC", "ours:elora:-visit": "WOV",
               "ours:elora:no-prefetch": "no prefetch"}
@@ -279,10 +279,11 @@ def _invalid_kv(f: Findings) -> list[str]:
 
 
 MODEL_LIMITS = """Model limits (properties of the simulator, the same in every run):
-- The host tier is inclusive, its GPU->host writes are not timed and ELORA's idle prefetch of host
-  KV is not modelled (eval/sim/hostkv.py); the host pool size is an assumption (`--host-kv-gb`).
-- The baselines have no host KV tier, as in the paper, so reductions against them include the
-  tier's gain.
+- The host tier is inclusive, its GPU->host writes are not timed and the idle prefetch of host
+  KV (which the server does) is not modelled (eval/sim/hostkv.py); the host pool size is an
+  assumption (`--host-kv-gb`).
+- vLLM-, S-LoRA- and plain SGLang-like have no host KV tier, as in the paper, so reductions
+  against them include the tier's gain; `sglang:hicache` has the same tier and budget as ours.
 - The workload is synthetic (eval/workloads/chatbot.py), not LMSYS-33k, and the latency model is a
   roofline (eval/sim/latency.py) without a GPU measurement behind it."""
 

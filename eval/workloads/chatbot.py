@@ -28,6 +28,7 @@ class ChatbotParams:
     mean_new_tokens: float = 120.0  # user message length (geometric)
     mean_output_tokens: float = 130.0  # reply length (Azure conv median output 129)
     system_tokens: int = 64  # shared system prompt at the start of every conversation (0: none)
+    first_turn_tokens: int = 0  # a long first message of the conversation's own (a pasted document): long histories
 
 
 def generate(p: ChatbotParams, seed: int) -> Workload:
@@ -41,7 +42,7 @@ def generate(p: ChatbotParams, seed: int) -> Workload:
         num_turns = draw_len(rng, p.mean_turns)
         t, parent = float(start), None
         for turn in range(num_turns):
-            new = draw_len(rng, p.mean_new_tokens) + (p.system_tokens if turn == 0 else 0)
+            new = draw_len(rng, p.mean_new_tokens) + (p.system_tokens + p.first_turn_tokens if turn == 0 else 0)
             req = Request(
                 rid=f"chat{c}-t{turn}",
                 arrival_s=t,

@@ -145,6 +145,22 @@ def test_memory_accounting_exact_every_step(arm):
         assert run.system.tree.stats().num_evicted_tokens > 0, "the pool never filled: the test is too easy"
 
 
+def test_sglang_hicache_baseline_copies_back_with_the_same_host_budget():
+    """Stock SGLang with its hierarchical cache: the same host tier object as ours, the same budget; evicted history
+    comes back by copy instead of recomputation, and its accounting closes at every step."""
+    ads, reqs = chat(seed=3)
+    cfg = SimConfig(pool_bytes=500_000_000, host_kv_bytes=60_000_000, check_every_step=True)
+    plain = simulate("sglang", ads, reqs, config=cfg)
+    hicache = simulate("sglang:hicache", ads, reqs, config=cfg)
+    assert plain.system.host is None and hicache.system.host.capacity_bytes <= 60_000_000
+    assert hicache.summary["num_kv_restores"] > 0 and hicache.summary["kv_host_hit_rate"] > 0
+    assert plain.summary["kv_host_hit_rate"] == 0
+    assert hicache.summary["history_recompute_share"] < plain.summary["history_recompute_share"]
+    assert len(hicache.results) == len(reqs)
+    with pytest.raises(ValueError, match="unknown suffix"):
+        simulate("sglang:hicache:lru", ads, reqs, config=cfg)
+
+
 def test_deterministic_for_a_seed():
     ads, reqs = chat(seed=3)
     cfg = SimConfig(pool_bytes=500_000_000, host_kv_bytes=60_000_000)
@@ -248,7 +264,7 @@ def test_compare_writes_results(tmp_path):
           "--out", str(out)])
     md = (tmp_path / "sim_small.md").read_text()
     runs = [json.loads(line) for line in open(f"{out}_runs.jsonl")]
-    assert len(runs) == 2 * 5 + 2 * 11 and all(r["device"].startswith("simulated") for r in runs)
+    assert len(runs) == 2 * 6 + 2 * 11 and all(r["device"].startswith("simulated") for r in runs)
     ttft = {(r["setup"]["conversation_rate"], r["setup"]["arm"]): r["summary"]["ttft_mean_s"]
             for r in runs}
 

@@ -247,6 +247,10 @@ def test_host_tier_spills_prefetches_and_loads_back_the_same_bytes(world):
     assert host.host_hit("r1", keys[1], 0) == 12
     host.clear()
     assert host.load_back("r1", tree.root, 12)[0] == 0 and host.num_declined == 1
+    # A request aborted between its match and its admission: its promise is forgotten at the next pass.
+    host.promised["gone"] = (keys[1], 0, 12)
+    host.prune(waiting_rids={"still-waiting"})
+    assert host.promised == {}
     # Refill the host and let the idle swap-in bring KV back below the watermark (0.7 of the pool).
     for key in keys[1:]:
         ids = allocator.alloc(12)

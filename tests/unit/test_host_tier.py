@@ -132,6 +132,20 @@ def test_spill_refused_when_every_host_run_is_pinned():
     w.check()
 
 
+def test_a_path_longer_than_the_whole_host_tier_is_refused_and_nothing_leaks():
+    w = World(capacity=4)
+    small = MatchKey(NS, None, [1, 2])
+    w.evict(w.compute(small))
+    w.evict(w.compute(MatchKey(NS, None, [5, 6, 7, 8, 9, 10])))  # 6 tokens: more than the tier holds
+    assert w.host.counters.refused_spills == 1
+    assert w.host.used_tokens == 2 == w.store.num_used, "refused before dropping anything, nothing kept half"
+    assert w.host.counters.dropped_tokens == 0
+    w.check()
+    w.evict(w.compute(small))  # the tier works on
+    assert w.host.match(small, touch=False).prefix_len == 2
+    w.check()
+
+
 def test_host_keys_keep_adapters_namespaces_and_alora_suffixes_apart():
     w = World(capacity=64)
     prompt = [5, 6, 7, 9, 4]

@@ -6,12 +6,17 @@ KV pool; a slot is refilled (LRU among slots no running request uses) by a copy 
 copy stalls the step; the radix cache keys KV by adapter (extra_key = lora id) and evicts LRU leaves, keeping
 an evicted adapter's KV. Both areas are core `UnifiedPool`s of token-sized slots; each adapter's padded size is
 its slot count, so the pool's adapter count is exact.
+
+`sglang:hicache` adds SGLang's hierarchical cache (`--enable-hierarchical-cache`): the same host KV tier as ours
+(`sgl_multilora.host_tier`, inclusive, LRU drops, copies back over the same PCIe link), with the same host budget;
+what differs from ours is everything else (fixed adapter slots, LRU, keys by adapter with no aLoRA sharing).
 """
 
 from __future__ import annotations
 
 from eval.sim.systems.area_lru import evict_adapters_lru, evict_kv_lru
 from eval.sim.systems.base import BaseSystem
+from sgl_multilora.host_tier import HostKVTier
 
 
 class SglangLike(BaseSystem):
@@ -19,6 +24,12 @@ class SglangLike(BaseSystem):
     adapter_area = "slots"
     kv_area = "kv"
     max_loras_per_batch = 8
+
+    def __init__(self, adapters, lat, pool_total_bytes: int, host_kv_bytes: int = 0) -> None:
+        super().__init__(adapters, lat, pool_total_bytes)
+        if host_kv_bytes:
+            self.host = HostKVTier(host_kv_bytes // self.kvb, bytes_per_token=self.kvb, clock=lambda: self.now)
+            self.name = "sglang:hicache"
 
     def adapter_slots(self) -> dict[str, int]:
         """Every adapter takes one LoRA slot padded to the largest adapter (SGLang's max_lora_rank)."""
