@@ -34,6 +34,7 @@ def get_new_batch_prefill(original, self, running_batch):
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
         mem.before_prefill_pass(reqs, {r.rid for r in self.waiting_queue})
+        mem.set_wanted(self.waiting_queue)
     if sched is not None:
         sched.before_pass(self)
     plan = None

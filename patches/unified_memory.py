@@ -164,6 +164,8 @@ class LiveMemory:
         self.num_starvation_holds = 0
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
+        self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
+        self.swapper.wanted = lambda: self._wanted
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
@@ -310,6 +312,12 @@ class LiveMemory:
             if identity is not None and self.residency.is_resident(identity):
                 counts[identity] += 1
         self.residency.set_running(counts)
+
+    def set_wanted(self, waiting_reqs) -> None:
+        """The adapters waiting requests name (read at each admission pass): evicted after every other candidate."""
+        registry = process_state().adapters
+        self._wanted = {i for i in (registry.identity(r.lora_id) for r in waiting_reqs if r.lora_id is not None)
+                        if i is not None}
 
     def record_request(self, identity: str | None) -> None:
         self.usage.record_request(identity, self.swapper.tree.clock())

@@ -23,6 +23,8 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
   idle watermark counts every kind (running KV and in-flight copies included).
 - A10: after each adapter eviction the heap is rebuilt, since Low_lora's N changed and ELORA rescores; after
   a KV eviction only the newly eligible items are scored.
+- Adapters that waiting requests name (`wanted`, from the scheduler's queue) are evicted after every other
+  candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache).
 - Ties: equal scores go KV first, then by node id (creation order) or adapter id, so the order never depends
   on set iteration or hash seeds (the simulator is deterministic across processes).
 - `dependency=False` is ELORA's WOM ablation: adapters go by the same score while their KV stays (invalid).
@@ -31,7 +33,7 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import asdict, dataclass
 
 from sgl_multilora.policy.base import BasePolicy
@@ -87,6 +89,7 @@ class Swapper:
         self.free_kv = free_kv if free_kv is not None else self._release_kv
         self.on_evict_kv = on_evict_kv
         self.kv_prefetch: Callable[[int], int] | None = None
+        self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
 
@@ -107,9 +110,9 @@ class Swapper:
             return True
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
-        heap = self._heap(protect, now)
+        heap, wanted = self._heap(protect, now), self._wanted()
         while heap and (pool.num_free < target or (run and pool.largest_free_run() < run)):
-            item = heapq.heappop(heap)[3]
+            item = heapq.heappop(heap)[4]
             if isinstance(item, str):
                 if self._adapter_evictable(item, protect):
                     self._evict_adapter(item)
@@ -124,12 +127,12 @@ class Swapper:
             c.kv_evicted_slots += self.tree.evict_leaf(item, self.free_kv)
             c.kv_evictions += 1
             if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (score(parent, now), 0, parent.id, parent))
+                heapq.heappush(heap, (0, score(parent, now), 0, parent.id, parent))
             for adapter in (parent, dep):
                 if adapter is not None and adapter.kind is _ADAPTER:
                     name = adapter.label.identity
                     if self._adapter_evictable(name, protect):
-                        heapq.heappush(heap, (score(self.records[name], now), 1, name, name))
+                        heapq.heappush(heap, (int(name in wanted), score(self.records[name], now), 1, name, name))
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
     def adapter_evictable(self, adapter_id: str, protect: str | None = None) -> bool:
@@ -224,12 +227,15 @@ class Swapper:
 
     # ---- internals -------------------------------------------------------------------------------
 
+    def _wanted(self):
+        return self.wanted() if self.wanted is not None else ()
+
     def _heap(self, protect: str | None, now: float) -> list:
-        """Candidates as (score, kind, key, item): KV (0) before adapters (1) on equal scores, then node id
-        or adapter id."""
-        score, records = self.policy.score, self.records
-        heap = [(score(n, now), 0, n.id, n) for n in self.tree.evictable_leaves()]
-        heap += [(score(records[a], now), 1, a, a) for a in self.residency.resident_ids()
+        """Candidates as (tier, score, kind, key, item): adapters wanted by waiting requests in tier 1, after
+        everything else; then by score, KV (0) before adapters (1) on equal scores, then node id or adapter id."""
+        score, records, wanted = self.policy.score, self.records, self._wanted()
+        heap = [(0, score(n, now), 0, n.id, n) for n in self.tree.evictable_leaves()]
+        heap += [(int(a in wanted), score(records[a], now), 1, a, a) for a in self.residency.resident_ids()
                  if self._adapter_evictable(a, protect)]
         heapq.heapify(heap)
         return heap

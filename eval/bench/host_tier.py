@@ -17,7 +17,7 @@ host tier's counters (tokens spilled, copied back, dropped) next to the prefill 
 headline is the ratio of returning-turn TTFT no-host / host (median and spread over repeats).
 
 Usage: .venv/bin/python -m eval.bench.host_tier [--repeats 3] [--pool-tokens 4000] [--host-kv-gb 2]
-           [--param first_turn_tokens=2000] [--out eval/results/host_tier.jsonl]
+           [--param first_turn_tokens=2000] [--out eval/results/host_tier.jsonl] [--hicache-check-only]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def check_stock_hicache(model: str, pool_tokens: int, host_kv_gb: float, log_pat
     port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
            *cpu_server_args(max_total_tokens=pool_tokens), "--enable-hierarchical-cache",
-           "--hicache-size", str(host_kv_gb)]
+           "--hicache-size", str(max(1, round(host_kv_gb)))]  # SGLang takes whole GB
     env = {**os.environ, "SGLANG_PLUGINS": "no-such-plugin"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -129,12 +129,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
     parser.add_argument("--skip-hicache-check", action="store_true")
+    parser.add_argument("--hicache-check-only", action="store_true",
+                        help="run only the stock HiCache check and put it in the last record of --out (and its .md)")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/host_tier.jsonl")
     args = parser.parse_args()
 
     from sgl_multilora.embedded import ensure_embedded_model
 
     model = str(ensure_embedded_model())
+    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.hicache_check_only:
+        lines = args.out.read_text().splitlines()
+        record = json.loads(lines[-1])
+        record["stock_hicache"] = check_stock_hicache(model, record["setup"]["pool_tokens"],
+                                                      record["setup"]["host_kv_gb"],
+                                                      log_dir / "host_tier_stock_hicache.log")
+        args.out.write_text("\n".join([*lines[:-1], json.dumps(record)]) + "\n")
+        args.out.with_suffix(".md").write_text(report(record))
+        print(report(record))
+        return
     params = dict(WORKLOAD)
     for item in args.param:
         key, value = item.split("=", 1)
@@ -145,8 +159,6 @@ def main() -> None:
     common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(params["num_adapters"]),
               "--max-lora-rank", str(max(params["ranks"])), "--radix-cache-backend", "multilora"]
     arms = {"host": [*common, "--multilora-host-kv-gb", str(args.host_kv_gb)], "no-host": common}
-    log_dir = REPO / ".cache" / "bench_logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
               "load_avg_start": list(os.getloadavg())}
     hicache = None if args.skip_hicache_check else check_stock_hicache(

@@ -268,3 +268,20 @@ def test_host_tier_spills_prefetches_and_loads_back_the_same_bytes(world):
     memory.check_invariants()
     host.check_invariants()
     assert allocator.pool.num_of("kv_cached") == tree.total_len()
+
+
+def test_adapters_of_waiting_requests_are_evicted_last(world):
+    """The waiting queue's adapters go after every other candidate: here the least recently used adapter stays
+    because a request for it waits, and the other one is evicted."""
+    from types import SimpleNamespace
+
+    kv, allocator, tree, memory, adapters, clock = world
+    for t, name in ((1.0, "a"), (2.0, "b")):
+        clock[0] = t
+        memory.record_request(adapters[name].spec.identity)
+        assert memory.ensure_resident(adapters[name].spec.identity, budget=None)
+    clock[0] = 3.0
+    memory.set_wanted([SimpleNamespace(lora_id="a"), SimpleNamespace(lora_id=None)])  # SGLang's Req: lora_id
+    assert memory.evict(1) >= 1  # one slot more than free: one adapter has to go
+    assert memory.residency.is_resident("id-a") and not memory.residency.is_resident("id-b")
+    memory.check_invariants()

@@ -244,6 +244,18 @@ def test_prefetch_stops_at_the_watermark():
     w.check()
 
 
+def test_adapters_waiting_requests_name_are_evicted_last():
+    """LRU would take A right after its KV (see the LRU order above); with a request for A waiting, A goes after
+    every other candidate, its KV still before it (the dependency rule)."""
+    w = World("lru")
+    w.fill()
+    w.now = 4.0
+    w.swapper.wanted = lambda: {"A"}
+    assert w.swapper.make_room(12)
+    assert w.log == [[0, 1], [4], [2, 3], "X", [5], "B", "A"]
+    w.check()
+
+
 def test_host_kv_swap_in_gets_what_the_adapters_left_below_the_watermark():
     w = World("lru", sizes={"A": 300, "B": 100})  # idle_watermark 0.7 of 12 slots: 8.4
     asked = []
