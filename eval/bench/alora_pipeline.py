@@ -2,15 +2,18 @@
 Not here: the pipeline workload the live harness and the simulator replay
 (eval/workloads/alora_pipeline.py).
 
-Two arms in one run, each a real CPU SGLang server with the bundled adapters, started one after the other:
+Two arms in one run, each a real CPU SGLang server with the bundled adapters, both up for the whole run (the idle
+one sleeps), measured in turn, the order alternating per repeat:
 - `stock`: SGLang's own prefix cache (each adapter its own namespace), with sgl_multilora's CPU LoRA compute and CPU
   extend attention underneath (SGLang's LoRA layers do not reach the CPU model path, so a CPU "stock" arm needs them);
 - `ours`: the same plus `--radix-cache-backend multilora` (aLoRA checks reuse the base model's prefix KV).
 For each context length, `--conversations` conversations run at once; each does a base turn over a context of that
-many tokens, one check per bundled aLoRA (cycled to `--checks`), then a base continuation. TTFT and end-to-end latency
-are recorded per turn type; the report gives stock / ours ratios.
+many tokens, one check per bundled aLoRA (cycled to `--checks`), then a base continuation, on a flushed cache. TTFT
+and end-to-end latency are recorded per turn type; the report (`<out>.md`) gives the median and spread over repeats
+and the per-repeat stock / ours ratios.
 
-Usage: .venv/bin/python -m eval.bench.alora_pipeline [--contexts 256 1024 2048] [--out eval/results/alora_pipeline.jsonl]
+Usage: .venv/bin/python -m eval.bench.alora_pipeline [--contexts 256 1024 2048] [--repeats 3]
+           [--out eval/results/alora_pipeline.jsonl]
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import requests
+
 from eval.demo import stream_generate
 from sgl_multilora.embedded import ensure_embedded_model
 from sgl_multilora.server import cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[2]
+ARMS = ("stock", "ours")
+TURNS = ("base turn", "aLoRA check", "base continuation")
 WORDS = ("river city garden music winter stone light market story bridge forest window paper ocean "
          "mountain letter harbor school engine silver").split()
 
@@ -62,34 +69,39 @@ def conversation(url, tokenizer, aloras, ctx_len, seed, num_checks, records):
     records.append(("base continuation", stream_generate(url, chat(tokenizer, follow, True), None, 16)))
 
 
-def run_arm(arm, model_path, adapters_dir, aloras, tokenizer, args) -> list[dict]:
+def start_arm(arm, model_path, adapters_dir, args):
     extra = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", "8"]
     if arm == "ours":
         extra += ["--radix-cache-backend", "multilora"]
-    server = launch(model_path, [*cpu_server_args(args.max_total_tokens), *extra],
-                    log_path=f"/tmp/sgl_multilora_bench_{arm}.log")
+    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return launch(model_path, [*cpu_server_args(args.max_total_tokens), *extra],
+                  log_path=log_dir / f"alora_pipeline_{arm}.log")
+
+
+def measure(arm, url, aloras, tokenizer, args, repeat: int) -> list[dict]:
+    """One pass over every context length on a flushed cache; one row per (context, turn type)."""
     rows = []
-    try:
-        for ctx_len in args.contexts:
-            records: list = []
-            with ThreadPoolExecutor(max_workers=args.conversations) as pool:
-                futures = [pool.submit(conversation, server.url, tokenizer, aloras, ctx_len, 1000 * ctx_len + c,
-                                       args.checks, records) for c in range(args.conversations)]
-                for f in futures:
-                    f.result()
-            for turn in ("base turn", "aLoRA check", "base continuation"):
-                outs = [o for t, o in records if t == turn]
-                rows.append({
-                    "arm": arm, "context_tokens": ctx_len, "turn": turn, "num": len(outs),
-                    "ttft_s": statistics.mean(o["ttft_s"] for o in outs),
-                    "e2e_s": statistics.mean(o["e2e_s"] for o in outs),
-                    "cached_tokens": statistics.mean(o["meta_info"]["cached_tokens"] for o in outs),
-                    "prompt_tokens": statistics.mean(o["meta_info"]["prompt_tokens"] for o in outs),
-                })
-                print(f"  {arm:5s} ctx {ctx_len:5d} {turn:18s} TTFT {rows[-1]['ttft_s']:.2f} s  "
-                      f"cached {rows[-1]['cached_tokens']:.0f}/{rows[-1]['prompt_tokens']:.0f}", flush=True)
-    finally:
-        server.stop()
+    for ctx_len in args.contexts:
+        requests.post(url + "/flush_cache", timeout=60)
+        records: list = []
+        with ThreadPoolExecutor(max_workers=args.conversations) as pool:
+            futures = [pool.submit(conversation, url, tokenizer, aloras, ctx_len, 1000 * ctx_len + c,
+                                   args.checks, records) for c in range(args.conversations)]
+            for f in futures:
+                f.result()
+        for turn in TURNS:
+            outs = [o for t, o in records if t == turn]
+            rows.append({
+                "arm": arm, "repeat": repeat, "context_tokens": ctx_len, "turn": turn, "num": len(outs),
+                "ttft_s": statistics.mean(o["ttft_s"] for o in outs),
+                "e2e_s": statistics.mean(o["e2e_s"] for o in outs),
+                "cached_tokens": statistics.mean(o["meta_info"]["cached_tokens"] for o in outs),
+                "prompt_tokens": statistics.mean(o["meta_info"]["prompt_tokens"] for o in outs),
+                "load_avg": os.getloadavg()[0],
+            })
+            print(f"  rep {repeat} {arm:5s} ctx {ctx_len:5d} {turn:18s} TTFT {rows[-1]['ttft_s']:.2f} s  "
+                  f"cached {rows[-1]['cached_tokens']:.0f}/{rows[-1]['prompt_tokens']:.0f}", flush=True)
     return rows
 
 
@@ -98,6 +110,7 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--checks", type=int, default=3, help="aLoRA checks per conversation (2 to 4)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
     parser.add_argument("--max-total-tokens", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "alora_pipeline.jsonl")
@@ -109,31 +122,67 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     manifest = json.loads((args.adapters_dir / "manifest.json").read_text())
     aloras = [e for e in manifest["adapters"] if e["kind"] == "alora"]
+    load_start = list(os.getloadavg())
+    servers = {}
     rows = []
-    for arm in ("stock", "ours"):
-        print(f"arm {arm}: starting a CPU server", flush=True)
-        rows += run_arm(arm, model_path, args.adapters_dir, aloras, tokenizer, args)
+    try:
+        for arm in ARMS:
+            print(f"arm {arm}: starting a CPU server", flush=True)
+            servers[arm] = start_arm(arm, model_path, args.adapters_dir, args)
+        for rep in range(args.repeats):
+            for arm in (ARMS if rep % 2 == 0 else ARMS[::-1]):
+                rows += measure(arm, servers[arm].url, aloras, tokenizer, args, rep)
+    finally:
+        for server in servers.values():
+            server.stop()
 
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"}
     record = {
         "setup": {**setup, "arms": {
             "stock": "SGLang's prefix cache; sgl_multilora CPU LoRA compute and extend attention",
-            "ours": "stock + --radix-cache-backend multilora"}},
-        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count()},
+            "ours": "stock + --radix-cache-backend multilora"},
+            "protocol": "both servers up (idle one sleeps); repeats alternate the arm order; cache flushed "
+                        "before each context length"},
+        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
+                   "load_avg_end": list(os.getloadavg())},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
-    print("\n| context | turn | stock TTFT s | ours TTFT s | stock / ours | stock e2e s | ours e2e s | cached (ours) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    by = {(r["arm"], r["context_tokens"], r["turn"]): r for r in rows}
-    for ctx_len in args.contexts:
-        for turn in ("base turn", "aLoRA check", "base continuation"):
-            s, o = by[("stock", ctx_len, turn)], by[("ours", ctx_len, turn)]
-            print(f"| {ctx_len} | {turn} | {s['ttft_s']:.2f} | {o['ttft_s']:.2f} | {s['ttft_s'] / o['ttft_s']:.1f}x "
-                  f"| {s['e2e_s']:.2f} | {o['e2e_s']:.2f} | {o['cached_tokens']:.0f}/{o['prompt_tokens']:.0f} |")
+    text = report(record)
+    print(text)
+    args.out.with_suffix(".md").write_text(text)
+
+
+def _spread(values) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(record: dict) -> str:
+    """Median (min-max) over repeats of each turn type's mean TTFT, and of the per-repeat stock / ours ratios."""
+    rows, s = record["rows"], record["setup"]
+    lines = [f"# Multi-adapter pipeline, live CPU servers ({record['date'][:10]})", "",
+             f"{s['conversations']} conversations at once per context, {s['checks']} aLoRA checks each; "
+             f"{s['repeats']} repeats, arms alternating, caches flushed per context. Machine: {record['device']}.", "",
+             "| context | turn | stock TTFT s | ours TTFT s | stock / ours (per repeat) | cached (ours) |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for ctx_len in s["contexts"]:
+        for turn in TURNS:
+            by = {(r["arm"], r["repeat"]): r for r in rows if r["context_tokens"] == ctx_len and r["turn"] == turn}
+            reps = sorted({rep for _, rep in by})
+            st = [by[("stock", rep)]["ttft_s"] for rep in reps if ("stock", rep) in by]
+            ou = [by[("ours", rep)]["ttft_s"] for rep in reps if ("ours", rep) in by]
+            ratios = [by[("stock", rep)]["ttft_s"] / by[("ours", rep)]["ttft_s"] for rep in reps
+                      if ("stock", rep) in by and ("ours", rep) in by]
+            if not ratios:
+                continue
+            cached = statistics.median(by[("ours", rep)]["cached_tokens"] for rep in reps if ("ours", rep) in by)
+            prompt = statistics.median(by[("ours", rep)]["prompt_tokens"] for rep in reps if ("ours", rep) in by)
+            lines.append(f"| {ctx_len} | {turn} | {_spread(st)} | {_spread(ou)} | {_spread(ratios)}x | "
+                         f"{cached:.0f}/{prompt:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ conversation starts over after `--max-turns`. One step serves one request as a s
   the like-for-like cost of the data structures.
 Both start empty and run the stream until the pool is full (eviction has begun) and then `--warmup` steps more, to
 a steady state (with the default 900k slots, about 10k tree nodes and 100 adapters); then `--steps` steps are
-timed one by one (perf_counter, the garbage collector on, as in a server). Arms alternate within each repeat.
+timed one by one (perf_counter, the garbage collector on, as in a server). Arms rotate within each repeat; the
+report gives, per pool size, each arm's median (min-max) over repeats and the per-repeat ratios to stock.
 
-Usage: .venv/bin/python -m eval.bench.pool_cost [--steps 4000] [--repeats 3] [--out eval/results/pool_cost.jsonl]
+Usage: .venv/bin/python -m eval.bench.pool_cost [--pool-slots 100000,300000,900000] [--steps 4000] [--repeats 3]
+           [--out eval/results/pool_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ def main(argv=None) -> None:
     ap.add_argument("--adapters", type=int, default=100)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--max-turns", type=int, default=8)
-    ap.add_argument("--pool-slots", type=int, default=900_000, help="about 10k tree nodes in steady state")
+    ap.add_argument("--pool-slots", default="900000",
+                    help="comma-separated pool sizes (slots); 900,000 gives about 10k tree nodes in steady state")
     ap.add_argument("--arms", default="stock,ours:elora,ours:lru,ours:lru:headroom=0",
                     help="stock, ours:<policy>[:headroom=<fraction of the pool>] (default headroom 0.01)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -223,36 +226,57 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     arms = args.arms.split(",")
-    load_at_start = os.getloadavg()
-    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for r in range(args.repeats):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotate so load drifts hit all arms
-            obj = Stock(args) if arm == "stock" else make_ours(args, arm)
-            runs[arm].append(measure(obj, args))
-            if arm != "stock":
-                obj.check()  # and after it
-    best = {arm: min(rs, key=lambda x: x["mean_ms"]) for arm, rs in runs.items()}
-    record = {
-        "setup": {k: v for k, v in vars(args).items() if k != "out"},
-        "device": {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                   "python": platform.python_version(), "load_avg_start": load_at_start,
-                   "load_avg_end": os.getloadavg()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "measurements": {
-            "per_step_ms": {arm: b["mean_ms"] for arm, b in best.items()},
-            "ratio_to_stock": {arm: b["mean_ms"] / best["stock"]["mean_ms"] for arm, b in best.items()},
-            "best_run": best, "all_runs": runs,
-            "statistic": f"per arm, the run with the lowest mean step time of {args.repeats}",
-        },
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    print("| arm | mean ms/step | p50 | p99 | ratio to stock | nodes (start / end) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for arm, b in best.items():
-        print(f"| {arm} | {b['mean_ms']:.3f} | {b['p50_ms']:.3f} | {b['p99_ms']:.3f} | "
-              f"{record['measurements']['ratio_to_stock'][arm]:.2f} | {b['nodes_at_start']} / {b['nodes_at_end']} |")
+    sizes = [int(x) for x in str(args.pool_slots).split(",")]
+    lines = ["| pool slots | arm | mean ms/step, median (min-max) | p50 | p99 | ratio to stock (per repeat) | "
+             "nodes at start |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for size in sizes:
+        run_args = argparse.Namespace(**{**vars(args), "pool_slots": size})
+        load_at_start = os.getloadavg()
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for r in range(args.repeats):
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotate so load drifts hit all arms
+                obj = Stock(run_args) if arm == "stock" else make_ours(run_args, arm)
+                runs[arm].append(measure(obj, run_args))
+                if arm != "stock":
+                    obj.check()  # and after it
+        med = {arm: statistics.median(x["mean_ms"] for x in rs) for arm, rs in runs.items()}
+        ratios = {arm: [a["mean_ms"] / b["mean_ms"] for a, b in zip(rs, runs["stock"])] for arm, rs in runs.items()} \
+            if "stock" in runs else {}
+        record = {
+            "setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "pool_slots": size},
+            "device": {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                       "python": platform.python_version(), "load_avg_start": load_at_start,
+                       "load_avg_end": os.getloadavg()},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "measurements": {
+                "per_step_ms_median": med,
+                "per_step_ms_range": {arm: [min(x["mean_ms"] for x in rs), max(x["mean_ms"] for x in rs)]
+                                      for arm, rs in runs.items()},
+                "ratio_to_stock_per_repeat": ratios,
+                "all_runs": runs,
+                "statistic": f"per arm, median (min-max) over {args.repeats} repeats of the mean step time; ratios "
+                             "pair each arm with stock's run of the same repeat",
+            },
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for arm, rs in runs.items():
+            rng = record["measurements"]["per_step_ms_range"][arm]
+            rt = ratios.get(arm, [])
+            lines.append(
+                f"| {size} | {arm} | {med[arm]:.3f} ({rng[0]:.3f}-{rng[1]:.3f}) | "
+                f"{statistics.median(x['p50_ms'] for x in rs):.3f} | {statistics.median(x['p99_ms'] for x in rs):.3f} "
+                f"| {statistics.median(rt):.2f} ({min(rt):.2f}-{max(rt):.2f}) | "
+                f"{statistics.median(x['nodes_at_start'] for x in rs):.0f} |" if rt else f"| {size} | {arm} | "
+                f"{med[arm]:.3f} | | | | |")
+        print("\n".join(lines), flush=True)
+    args.out.with_suffix(".md").write_text(
+        f"# Per-step cost of the memory system vs SGLang's RadixCache ({datetime.date.today()})\n\n"
+        f"Command: `.venv/bin/python -m eval.bench.pool_cost --pool-slots {args.pool_slots} --repeats {args.repeats}` "
+        f"({args.adapters} adapters, {args.conversations} conversations, {args.steps} timed steps after the pool "
+        f"fills and {args.warmup} more warm-up steps). Machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load average at end {os.getloadavg()[0]:.2f}.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
