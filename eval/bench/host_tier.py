@@ -78,10 +78,51 @@ def summarize(results) -> dict:
     return out
 
 
+def probe(url: str, tokenizer, adapters: list[str | None], num_conversations: int, context_tokens: int,
+          seed: int) -> list[dict]:
+    """One request at a time (no queueing): conversation i's first turn (a fresh ~context_tokens message), and after
+    it the returning turn of conversation i - 2, whose history the two newer ones have pushed out of the device pool.
+    Returns one row per request: turn, prompt and cached tokens, TTFT."""
+    from eval.bench.alora_pipeline import chat, long_question
+    from eval.demo import stream_generate
+
+    rows, history = [], {}
+
+    def send(conv: int, turn: str, ids: list[int]):
+        out = stream_generate(url, ids, adapters[conv % len(adapters)], 8)
+        meta = out["meta_info"]
+        rows.append({"conversation": conv, "turn": turn, "ttft_s": out["ttft_s"], "prompt_tokens":
+                     meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0)})
+        return out["text"]
+
+    for i in range(num_conversations):
+        question = long_question(tokenizer, context_tokens, 7919 * seed + i)
+        answer = send(i, "first", chat(tokenizer, [("user", question)], True))
+        history[i] = [("user", question), ("assistant", answer)]
+        j = i - 2
+        if j >= 0:
+            send(j, "returning", chat(tokenizer, [*history[j], ("user", "And in three words?")], True))
+    return rows
+
+
 def memory_stats(url: str) -> dict:
     m = requests.get(url + "/multilora/stats", timeout=60).json()["memory"][0].get("unified_pool") or {}
     return {"host_tier": m.get("host_tier"), "prefill_tokens": m.get("prefill_tokens"),
             "swapper": m.get("swapper")}
+
+
+def summarize_probe(rows: list[dict]) -> dict:
+    """The probe's rows in `summarize`'s shape (first / returning turns), the rows kept."""
+    out = {"num_ok": len(rows), "num_failed": 0, "rows": rows, "returning_by_prompt_tokens": []}
+    for label in ("first", "returning"):
+        group = [r for r in rows if r["turn"] == label]
+        ttft = [r["ttft_s"] for r in group]
+        out[label] = {"n": len(group), "mean_ttft_s": statistics.fmean(ttft), "p50_ttft_s": _pct(ttft, 50),
+                      "p99_ttft_s": _pct(ttft, 99),
+                      "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in group),
+                      "cached_token_share": sum(r["cached_tokens"] for r in group)
+                      / max(1, sum(r["prompt_tokens"] for r in group))}
+    return out
 
 
 def _delta(before: dict | None, after: dict | None) -> dict | None:
@@ -128,6 +169,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
+    parser.add_argument("--mode", choices=["replay", "probe"], default="replay",
+                        help="replay: the chatbot workload at its arrival times (queueing included); probe: one "
+                        "request at a time, each returning turn after two newer conversations pushed its history out")
+    parser.add_argument("--probe-conversations", type=int, default=8)
     parser.add_argument("--skip-hicache-check", action="store_true")
     parser.add_argument("--hicache-check-only", action="store_true",
                         help="run only the stock HiCache check and put it in the last record of --out (and its .md)")
@@ -169,7 +214,10 @@ def main() -> None:
             servers[name] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *extra],
                                    log_path=log_dir / f"host_tier_{name}.log")
         served = [ServedAdapter(a.name) for a in workload.adapters]
-        setup = {"workload": "chatbot", "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        setup = {"mode": args.mode, "probe_conversations": args.probe_conversations, "workload": "chatbot", "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
                  "num_requests": len(workload.requests), "pool_tokens": args.pool_tokens,
                  "host_kv_gb": args.host_kv_gb, "repeats": args.repeats, "seed": args.seed,
                  "arms": {name: " ".join(extra[len(common):]) or "(tree, no host tier)" for name, extra in arms.items()}}
@@ -184,9 +232,15 @@ def main() -> None:
                     flush(url)
                     time.sleep(1.0)
                     before = memory_stats(url)
-                    results = replay(workload, [Target(name, url)], raw, f"rep{rep}", served, timeout_s=900)
+                    if args.mode == "probe":
+                        rows = probe(url, tokenizer, [a.name for a in workload.adapters], args.probe_conversations,
+                                     params["first_turn_tokens"], rep)
+                        summary = summarize_probe(rows)
+                    else:
+                        results = replay(workload, [Target(name, url)], raw, f"rep{rep}", served, timeout_s=900)
+                        summary = summarize(results)
                     after = memory_stats(url)
-                    runs.append({"arm": name, "repeat": rep, **summarize(results),
+                    runs.append({"arm": name, "repeat": rep, **summary,
                                  "prefill_tokens": (after["prefill_tokens"] or 0) - (before["prefill_tokens"] or 0),
                                  "host_tier": _delta(before["host_tier"], after["host_tier"]),
                                  "swapper": _delta(before["swapper"], after["swapper"]),
@@ -212,8 +266,13 @@ def _spread(values: list[float]) -> str:
 
 def report(record: dict) -> str:
     s, runs = record["setup"], record["runs"]
+    probe_mode = s.get("mode") == "probe"
+    what = (f"Probe: one request at a time; {s['probe_conversations']} conversations, each a first turn of about "
+            f"{s['params']['first_turn_tokens']} tokens, and the returning turn of each conversation after two newer "
+            "ones (its history pushed out of the device pool); no queueing." if probe_mode else
+            f"Workload: chatbot {s['params']}, {s['num_requests']} requests (replayed at its arrival times).")
     lines = [f"# Host tier vs recomputation, live CPU server ({record['date'][:10]})", "",
-             f"Workload: chatbot {s['params']}, {s['num_requests']} requests. Every arm: device pool "
+             f"{what} Every arm: device pool "
              f"{s['pool_tokens']} token slots; `host` adds a {s['host_kv_gb']} GB host tier. {s['repeats']} repeats, "
              f"arms alternating, flushed caches. Machine: {record['device']}.", "",
              "| arm | turns | mean TTFT s (min-max over repeats) | P50 TTFT s | P99 TTFT s | mean prompt tokens | "

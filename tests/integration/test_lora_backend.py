@@ -49,7 +49,16 @@ def sglang_tp1():
 @pytest.fixture
 def no_pinning(monkeypatch):
     """A CPU-only torch has no pinned-memory allocator; SGLang's layers and torch_native ask for pinned host tensors
-    (a transfer optimisation only). Drop the flag for this test's duration."""
+    (a transfer optimisation only). Drop the flag for this test's duration.
+
+    torch's device contexts (`with torch.device(...)`) recognise factory functions by identity, from a set cached on
+    first use (`torch.utils._device._device_constructors`). Filled while the wrappers are in place, it would keep them
+    for the whole process, and every later meta-device model build (transformers' `from_pretrained`) would put its
+    buffers on the CPU uninitialised. So the set is filled with the real factories before they are wrapped, and
+    dropped after."""
+    from torch.utils import _device
+
+    _device._device_constructors()
     for name in ("tensor", "zeros", "empty"):
         original = getattr(torch, name)
 
@@ -57,6 +66,8 @@ def no_pinning(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(torch, name, factory)
+    yield
+    _device._device_constructors.cache_clear()
 
 
 def _buffers(out_features: int, in_features: int, num_slices: int, g: torch.Generator):
