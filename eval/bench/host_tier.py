@@ -286,8 +286,9 @@ def report(record: dict) -> str:
                          f"{_spread([r['p50_ttft_s'] for r in rs])} | {_spread([r['p99_ttft_s'] for r in rs])} | "
                          f"{statistics.median(r['mean_prompt_tokens'] for r in rs):.0f} | "
                          f"{statistics.median(r['cached_token_share'] for r in rs):.2f} |")
-    lines += ["", "Returning turns by prompt length (history + new turn), median over repeats of the mean TTFT:", "",
-              "| prompt tokens | no-host s | host s | no-host / host |", "|---|---|---|---|"]
+    if not probe_mode:
+        lines += ["", "Returning turns by prompt length (history + new turn), median over repeats of the mean TTFT:", "",
+                  "| prompt tokens | no-host s | host s | no-host / host |", "|---|---|---|---|"]
     for lo, hi in zip(HISTORY_BINS, HISTORY_BINS[1:]):
         per = {}
         for arm in ("no-host", "host"):
