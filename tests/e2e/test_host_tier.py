@@ -12,14 +12,14 @@ again serve PEFT's answer.
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from tests.conftest import start_server
-from tests.oracle import assert_matches, logprob_fields
+from tests.e2e.served import generate, wait_idle
+from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
 
@@ -76,27 +76,6 @@ def _turn(tokenizer, history: list[dict], alora: bool) -> list[int]:
     return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def _generate(server, name: str | None, ids: list[int]) -> dict:
-    body = {"input_ids": ids, "lora_path": name, **logprob_fields(),
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-    res = requests.post(server.url + "/generate", json=body, timeout=900)
-    assert res.status_code == 200, res.text
-    return res.json()
-
-
-def _memory(server) -> dict:
-    return requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
-
-
-def _wait_idle(server, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _memory(server)
-        if (m["running"] == 0 and m["waiting"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.5)
-
-
 def _assert_accounting(m: dict) -> None:
     pool = m["unified_pool"]
     slots = pool["slots"]
@@ -135,14 +114,14 @@ def test_returning_turns_copy_their_history_back_and_match_peft(server, adapters
     responses = []
     with ThreadPoolExecutor(max_workers=2) as executor:
         for work in rounds:
-            responses.append(list(executor.map(lambda w: _generate(server, w[0], w[1]), work)))
-            _wait_idle(server)
+            responses.append(list(executor.map(lambda w: generate(server, w[0], w[1], NEW_TOKENS), work)))
+            wait_idle(server)
     for work, outs in zip(rounds, responses):
         for (name, ids), response in zip(work, outs):
             expected = oracle.greedy(adapters[name] if name else None, ids, NEW_TOKENS, ignore_eos=True)
             assert_matches(response, expected, f"{name or 'base'} through the host tier")
 
-    m = _wait_idle(server)
+    m = wait_idle(server)
     host = m["unified_pool"]["host_tier"]
     assert host["spilled_tokens"] > POOL_SLOTS, host  # the first round did not fit the pool
     assert host["load_backs"] >= 3 and host["restored_tokens"] > 3 * 200, host  # returning turns came back by copy
@@ -154,18 +133,18 @@ def test_returning_turns_copy_their_history_back_and_match_peft(server, adapters
 
 
 def test_unloading_an_adapter_drops_its_host_kv(server, adapters, tokenizer, oracle):
-    before = _wait_idle(server)["unified_pool"]["host_tier"]
+    before = wait_idle(server)["unified_pool"]["host_tier"]
     assert before["used_tokens"] > 0, before
     res = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "lora_b"}, timeout=120)
     assert res.status_code == 200, res.text
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
-    _generate(server, None, ids)  # a step runs the deferred removal
-    after = _wait_idle(server)["unified_pool"]["host_tier"]
+    generate(server, None, ids, NEW_TOKENS)  # a step runs the deferred removal
+    after = wait_idle(server)["unified_pool"]["host_tier"]
     assert after["dropped_tokens"] > before["dropped_tokens"], (before, after)
     res = requests.post(server.url + "/load_lora_adapter",
                         json={"lora_name": "lora_b", "lora_path": adapters["lora_b"]}, timeout=120)
     assert res.status_code == 200, res.text
-    assert_matches(_generate(server, "lora_b", ids), oracle.greedy(adapters["lora_b"], ids, NEW_TOKENS, ignore_eos=True),
-                   "lora_b loaded again")
-    _assert_accounting(_wait_idle(server))
+    expected = oracle.greedy(adapters["lora_b"], ids, NEW_TOKENS, ignore_eos=True)
+    assert_matches(generate(server, "lora_b", ids, NEW_TOKENS), expected, "lora_b loaded again")
+    _assert_accounting(wait_idle(server))

@@ -10,13 +10,13 @@ invariants after every step.
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from tests.conftest import ADAPTERS_DIR, start_server
+from tests.e2e.served import wait_idle
 from tests.oracle import assert_matches, logprob_fields
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +31,6 @@ def server(model_path):
     ], name="e2e_multiqueue", max_total_tokens=4096, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
     yield handle
     handle.stop()
-
-
-def _stats(server) -> dict:
-    return requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
 
 
 def test_outputs_under_multiqueue_equal_peft_and_nothing_is_held_when_idle(server, tokenizer, manifest, oracle):
@@ -65,13 +61,7 @@ def test_outputs_under_multiqueue_equal_peft_and_nothing_is_held_when_idle(serve
         expected = oracle.greedy(entry and entry["path"], ids, n, ignore_eos=True)
         assert_matches(response, expected, f"{entry['name'] if entry else 'base'} under multiqueue")
 
-    deadline = time.monotonic() + 60
-    while True:
-        m = _stats(server)
-        if (m["running"] == 0 and m["waiting"] == 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    s = m["scheduler"]
+    s = wait_idle(server)["scheduler"]
     assert s["counts"]["finished"] >= len(work) and s["counts"]["admitted"] >= s["counts"]["finished"], s
     assert s["num_queued"] == 0 and s["num_running"] == 0, s
     assert all(q["held_tokens"] == 0 and q["num_queued"] == 0 for q in s["queues"]), s

@@ -12,14 +12,14 @@ total, cached KV == the tree's tokens, no KV of a non-resident adapter) and SGLa
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from tests.conftest import start_server
-from tests.oracle import assert_matches, logprob_fields
+from tests.e2e.served import generate, memory, wait_idle
+from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
 
@@ -87,29 +87,8 @@ def _prompt(tokenizer, rng: random.Random, words: list[str], alora: bool) -> lis
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def _generate(server, name: str | None, ids: list[int]) -> dict:
-    body = {"input_ids": ids, "lora_path": name, **logprob_fields(),
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-    res = requests.post(server.url + "/generate", json=body, timeout=900)
-    assert res.status_code == 200, res.text
-    return res.json()
-
-
-def _stats(server) -> dict:
-    return requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
-
-
-def _wait_idle(server, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _stats(server)
-        if (m["running"] == 0 and m["waiting"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.5)
-
-
 def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adapters, tokenizer, oracle):
-    pool = _stats(server)["unified_pool"]
+    pool = memory(server)["unified_pool"]
     sizes = [a["num_slots"] for a in pool["adapter_sizes"].values()]
     assert len(sizes) == NUM_ADAPTERS and min(sizes) >= 1, pool
     assert sum(sizes) > 2 * pool["num_slots"], "the adapters together must be several times what the pool holds"
@@ -122,13 +101,13 @@ def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adap
     with ThreadPoolExecutor(max_workers=4) as executor:
         for order in range(2):  # the second round, in another order, finds most adapters evicted again
             shuffled = work[:] if order == 0 else rng.sample(work, len(work))
-            rounds.append((shuffled, list(executor.map(lambda w: _generate(server, w[0], w[2]), shuffled))))
+            rounds.append((shuffled, list(executor.map(lambda w: generate(server, w[0], w[2], NEW_TOKENS), shuffled))))
     for shuffled, responses in rounds:
         for (name, path, ids), response in zip(shuffled, responses):
             expected = oracle.greedy(path, ids, NEW_TOKENS, ignore_eos=True)
             assert_matches(response, expected, f"{name or 'base'} through the unified pool")
 
-    m = _wait_idle(server)
+    m = wait_idle(server)
     pool = m["unified_pool"]
     swapper = pool["swapper"]
     assert swapper["adapter_evictions"] > 0 and swapper["adapter_loads"] + swapper["prefetches"] > NUM_ADAPTERS, pool
@@ -158,5 +137,5 @@ def test_an_adapter_larger_than_the_pool_is_refused_with_both_sizes(server, mode
     assert res.status_code == 400, res.text
     assert "huge" in res.text and "the whole pool holds" in res.text and f"{POOL_SLOTS} slots" in res.text, res.text
     # The server still serves, and the refused adapter left nothing behind.
-    assert _generate(server, None, tokenizer("Hello", add_special_tokens=False).input_ids)["meta_info"]
-    assert "huge" not in _stats(server)["adapters"]["host"]
+    assert generate(server, None, tokenizer("Hello", add_special_tokens=False).input_ids, NEW_TOKENS)["meta_info"]
+    assert "huge" not in memory(server)["adapters"]["host"]
