@@ -66,3 +66,61 @@ def test_outputs_under_multiqueue_equal_peft_and_nothing_is_held_when_idle(serve
     assert s["num_queued"] == 0 and s["num_running"] == 0, s
     assert all(q["held_tokens"] == 0 and q["num_queued"] == 0 for q in s["queues"]), s
     assert s["predictor"]["num_observed"] >= len(work), s["predictor"]
+
+
+def test_aborts_and_an_unload_while_requests_wait_leave_nothing_behind(server, tokenizer, manifest, oracle):
+    """Twelve requests at once (more than a pass admits: some wait in the queues), half of them aborted right away,
+    and the adapter some of them name unloaded while they are in flight: every request that was not aborted gets
+    PEFT's answer or a clear error, and when idle the multi-queue state and the pool hold nothing; the adapter loads
+    again and answers as PEFT."""
+    import threading
+    import uuid
+
+    entry = next(e for e in manifest if e["name"] == "caps")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe and one sea."}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    work = [(f"mq-abort-{uuid.uuid4().hex[:8]}", None if i % 3 else entry["name"]) for i in range(12)]
+    results: dict[str, requests.Response] = {}
+
+    def send(rid, lora):
+        body = {"rid": rid, "input_ids": ids, "lora_path": lora, **logprob_fields(),
+                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        results[rid] = requests.post(server.url + "/generate", json=body, timeout=900)
+
+    threads = [threading.Thread(target=send, args=w) for w in work]
+    for t in threads:
+        t.start()
+    aborted = {rid for rid, _ in work[::2]}
+    for rid in aborted:
+        requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=60)
+    unload = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "caps"}, timeout=300)
+    for t in threads:
+        t.join()
+    assert unload.status_code == 200, unload.text
+
+    answered = 0
+    for rid, lora in work:
+        res = results[rid]
+        if rid in aborted:
+            assert res.status_code in (200, 400), res.text  # finished first, or aborted with a clear reason
+            continue
+        if lora is not None and res.status_code == 400:  # arrived after its adapter was unloaded: named in the error
+            assert "caps" in res.text, res.text
+            continue
+        assert res.status_code == 200, res.text
+        expected = oracle.greedy(entry["path"] if lora else None, ids, 24, ignore_eos=True)
+        assert_matches(res.json(), expected, f"{lora or 'base'} next to aborts and an unload")
+        answered += 1
+    assert answered >= 4, "too few requests ran to completion for the test to mean anything"
+
+    s = wait_idle(server)["scheduler"]
+    assert s["num_queued"] == 0 and s["num_running"] == 0, s
+    assert all(q["held_tokens"] == 0 and q["num_queued"] == 0 for q in s["queues"]), s
+    res = requests.post(server.url + "/load_lora_adapter", json={"lora_name": "caps", "lora_path": entry["path"]},
+                        timeout=120)
+    assert res.status_code == 200, res.text
+    body = {"input_ids": ids, "lora_path": "caps", **logprob_fields(),
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    again = requests.post(server.url + "/generate", json=body, timeout=900)
+    assert again.status_code == 200, again.text
+    assert_matches(again.json(), oracle.greedy(entry["path"], ids, 8, ignore_eos=True), "caps loaded again")
