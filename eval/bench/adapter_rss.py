@@ -1,0 +1,108 @@
+"""What adapters cost outside the pool: the resident memory (RSS) of a CPU server's processes with many adapters
+loaded and used, against the same server with none, for the unified pool and for separate adapter tensors.
+
+Arms (one server each, started one after the other, the same device pool of `--pool-tokens` slots):
+- `none`: LoRA enabled for the same ranks and target modules, no adapter loaded;
+- `unified`: the random PEFT adapters of the unified-memory benchmark (`--multilora-adapter-dir`), the tree and the
+  unified pool: adapters live in KV slots, the process keeps one host copy of each;
+- `separate`: the same with `--multilora-memory separate` (each adapter in its own tensors, for comparison).
+In every arm one base request and then one request per adapter run (so each adapter has been resident), then the
+process tree's RSS is read when idle. The report gives each arm's RSS minus `none`'s next to the adapters' weight
+bytes (fp32, what one host copy takes): the issue's rule is "memory outside the pool grows by at most one host copy
+per adapter loaded".
+
+Usage: .venv/bin/python -m eval.bench.adapter_rss [--pool-tokens 6000] [--out eval/results/adapter_rss.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import requests
+
+from eval.bench.soak import process_tree_rss
+from eval.bench.unified_memory import CACHE, ELEMS_PER_RANK, NUM_LAYERS, make_adapters
+from eval.workloads import create_workload
+from sgl_multilora.server import cpu_server_args, launch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def exercise(url: str, names: list[str]) -> None:
+    for lora in [None, *names]:
+        body = {"text": "Write one line about rivers.", "lora_path": lora,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        res = requests.post(url + "/generate", json=body, timeout=600)
+        res.raise_for_status()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pool-tokens", type=int, default=6000)
+    parser.add_argument("--num-adapters", type=int, default=24)
+    parser.add_argument("--ranks", default="16,32,64")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/adapter_rss.jsonl")
+    args = parser.parse_args(argv)
+
+    from sgl_multilora.embedded import ensure_embedded_model
+
+    model = str(ensure_embedded_model())
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    workload = create_workload("chatbot", seed=0, num_adapters=args.num_adapters, ranks=ranks)
+    adapters_dir = make_adapters(model, workload, CACHE / f"chatbot-{args.num_adapters}-{args.ranks}")
+    modules = sorted({m for a in workload.adapters for m in a.target_modules})
+    weight_bytes = sum(NUM_LAYERS * a.rank * sum(ELEMS_PER_RANK[m] for m in a.target_modules) * 4
+                       for a in workload.adapters)
+    lora = ["--max-loras-per-batch", "4", "--max-lora-rank", str(max(ranks))]
+    arms = {
+        "none": [*lora, "--enable-lora", "--lora-target-modules", *modules, "--radix-cache-backend", "multilora"],
+        "unified": [*lora, "--multilora-adapter-dir", str(adapters_dir), "--radix-cache-backend", "multilora"],
+        "separate": [*lora, "--multilora-adapter-dir", str(adapters_dir), "--radix-cache-backend", "multilora",
+                     "--multilora-memory", "separate"],
+    }
+    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rss = {}
+    for name, extra in arms.items():
+        server = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *extra],
+                        log_path=log_dir / f"adapter_rss_{name}.log")
+        try:
+            exercise(server.url, [] if name == "none" else [a.name for a in workload.adapters])
+            time.sleep(2.0)
+            total, by_process = process_tree_rss(server.process.pid)
+            rss[name] = {"total": total, "by_process": by_process}
+            print(f"{name}: RSS {total / 2**20:.0f} MiB", flush=True)
+        finally:
+            server.stop()
+    record = {
+        "setup": {"pool_tokens": args.pool_tokens, "num_adapters": args.num_adapters, "ranks": list(ranks),
+                  "target_modules": modules, "adapter_weight_bytes": weight_bytes, "arms": arms},
+        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg())},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rss": rss,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    mib = 2**20
+    lines = [f"# Adapter memory outside the pool ({record['date'][:10]})", "",
+             f"{args.num_adapters} random PEFT adapters of rank {', '.join(map(str, ranks))} ({weight_bytes / mib:.0f} "
+             f"MiB of fp32 weights: one host copy); every arm {args.pool_tokens} pool slots; RSS of the server's "
+             "process tree when idle, after one request per adapter. One run per arm (RSS, not timing).", "",
+             "| arm | RSS MiB | minus `none` MiB | / one host copy of the adapters |", "|---|---:|---:|---:|"]
+    for name in arms:
+        delta = rss[name]["total"] - rss["none"]["total"]
+        lines.append(f"| {name} | {rss[name]['total'] / mib:.0f} | {delta / mib:.0f} | {delta / weight_bytes:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
