@@ -29,6 +29,7 @@ from pathlib import Path
 
 import requests
 
+from eval.bench.results import save
 from eval.demo import stream_generate
 from sgl_multilora.embedded import ensure_embedded_model
 from sgl_multilora.server import cpu_server_args, launch
@@ -148,12 +149,7 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    text = report(record)
-    print(text)
-    args.out.with_suffix(".md").write_text(text)
+    save(args.out, record, report)
 
 
 def _spread(values) -> str:

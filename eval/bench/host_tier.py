@@ -36,6 +36,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from eval.bench.results import nearest_rank, save
 from eval.bench.unified_memory import CACHE, flush, make_adapters
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
@@ -48,11 +49,6 @@ WORKLOAD = {"num_conversations": 14, "num_adapters": 4, "ranks": [16], "conversa
 HISTORY_BINS = (0, 1000, 1800, 2600, 10**9)
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
 def summarize(results) -> dict:
     """TTFT of first and returning turns (by history length) and the cached-token shares."""
     ok = [r for r in results if r.error is None and r.ttft_s is not None]
@@ -62,8 +58,8 @@ def summarize(results) -> dict:
         if not group:
             continue
         ttft = [r.ttft_s for r in group]
-        out[label] = {"n": len(group), "mean_ttft_s": statistics.fmean(ttft), "p50_ttft_s": _pct(ttft, 50),
-                      "p99_ttft_s": _pct(ttft, 99), "mean_prompt_tokens": statistics.fmean(r.prompt_tokens
+        out[label] = {"n": len(group), "mean_ttft_s": statistics.fmean(ttft), "p50_ttft_s": nearest_rank(ttft, 50),
+                      "p99_ttft_s": nearest_rank(ttft, 99), "mean_prompt_tokens": statistics.fmean(r.prompt_tokens
                                                                                          for r in group),
                       "cached_token_share": sum(r.cached_tokens for r in group)
                       / max(1, sum(r.prompt_tokens for r in group))}
@@ -73,7 +69,7 @@ def summarize(results) -> dict:
         group = [r.ttft_s for r in returning if lo <= r.prompt_tokens < hi]
         if group:
             bins.append({"prompt_tokens": [lo, hi], "n": len(group), "mean_ttft_s": statistics.fmean(group),
-                         "p50_ttft_s": _pct(group, 50)})
+                         "p50_ttft_s": nearest_rank(group, 50)})
     out["returning_by_prompt_tokens"] = bins
     return out
 
@@ -117,8 +113,8 @@ def summarize_probe(rows: list[dict]) -> dict:
     for label in ("first", "returning"):
         group = [r for r in rows if r["turn"] == label]
         ttft = [r["ttft_s"] for r in group]
-        out[label] = {"n": len(group), "mean_ttft_s": statistics.fmean(ttft), "p50_ttft_s": _pct(ttft, 50),
-                      "p99_ttft_s": _pct(ttft, 99),
+        out[label] = {"n": len(group), "mean_ttft_s": statistics.fmean(ttft), "p50_ttft_s": nearest_rank(ttft, 50),
+                      "p99_ttft_s": nearest_rank(ttft, 99),
                       "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in group),
                       "cached_token_share": sum(r["cached_tokens"] for r in group)
                       / max(1, sum(r["prompt_tokens"] for r in group))}
@@ -249,12 +245,7 @@ def main() -> None:
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
                   "stock_hicache": hicache, "runs": runs}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        text = report(record)
-        print(text)
-        args.out.with_suffix(".md").write_text(text)
+        save(args.out, record, report)
     finally:
         for handle in servers.values():
             handle.stop()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from eval.bench.results import save
 from eval.bench.unified_memory import CACHE, make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
@@ -105,12 +105,7 @@ def main() -> None:
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
                   "runs": runs, "multiqueue_stats_at_end": stats.get("scheduler")}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        text = report(record)
-        print(text)
-        args.out.with_suffix(".md").write_text(text)
+        save(args.out, record, report)
     finally:
         for handle in servers.values():
             handle.stop()

@@ -30,6 +30,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from eval.bench.results import nearest_rank, save
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
@@ -87,7 +88,7 @@ def summarize(results) -> dict:
         return {"num_ok": 0, "num_failed": len(results)}
 
     def pct(p):
-        return ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
+        return nearest_rank(ttft, p)
 
     return {"num_ok": len(ok), "num_failed": len(results) - len(ok), "mean_ttft_s": statistics.fmean(ttft),
             "p50_ttft_s": pct(50), "p99_ttft_s": pct(99),
@@ -173,11 +174,7 @@ def main() -> None:
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
                   "runs": runs}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(report(record))
-        args.out.with_suffix(".md").write_text(report(record))
+        save(args.out, record, report)
     finally:
         for handle in servers.values():
             handle.stop()

@@ -38,7 +38,7 @@ from sgl_multilora.cluster.base import BasePacker
 from sgl_multilora.cluster.cost import MachineOf, MigrationCostModel
 from sgl_multilora.cluster.mell_check import check_packing
 from sgl_multilora.cluster.mell_repair import RepairRules
-from sgl_multilora.cluster.mell_state import Bin, Packing, Request, Unit
+from sgl_multilora.cluster.mell_state import Bin, Packing, PackedRequest, Unit
 from sgl_multilora.cluster.records import Cls, size_class
 
 L, M, S, T = Cls.L, Cls.M, Cls.S, Cls.T
@@ -85,7 +85,7 @@ class MellPacker(RepairRules, BasePacker):
 
     def _allocate(self, rid: Hashable, size: int) -> None:
         self._begin()
-        r = Request(rid, size, size_class(size, self.capacity))
+        r = PackedRequest(rid, size, size_class(size, self.capacity))
         self.p.requests[rid] = r
         if r.cls != Cls.TINY:
             self._put(r, None)
@@ -122,7 +122,7 @@ class MellPacker(RepairRules, BasePacker):
             self.p.remove(r)
         self._repair()
 
-    def _grows_quietly(self, r: Request, new_size: int) -> bool:
+    def _grows_quietly(self, r: PackedRequest, new_size: int) -> bool:
         """Growth inside the class that keeps the instance within capacity (and a multi-item within
         C/4) breaks no invariant: usage only rises and fits only get harder."""
         C, delta = self.capacity, new_size - r.size

@@ -22,7 +22,7 @@ from sgl_multilora.cluster.records import Cls, size_class
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class PackedRequest:
     rid: Hashable
     size: int
     cls: Cls
@@ -35,12 +35,12 @@ class Request:
 class Bundle:
     bid: int
     size: int = 0
-    members: dict[Hashable, Request] = field(default_factory=dict)
+    members: dict[Hashable, PackedRequest] = field(default_factory=dict)
     bin: Bin | None = None
     cls: ClassVar[Cls] = Cls.T
 
 
-Unit = Request | Bundle
+Unit = PackedRequest | Bundle
 
 
 @dataclass(slots=True, eq=False)
@@ -72,7 +72,7 @@ class Bin:
 MoveLog = Callable[[Hashable, int, int, int], None]
 
 
-def members(u: Unit) -> Iterable[Request]:
+def members(u: Unit) -> Iterable[PackedRequest]:
     return u.members.values() if isinstance(u, Bundle) else (u,)
 
 
@@ -80,7 +80,7 @@ class Packing:
     def __init__(self, capacity: int, on_move: MoveLog, on_unit_move: Callable[[], None]) -> None:
         self.C = capacity
         self.bins: dict[int, Bin] = {}
-        self.requests: dict[Hashable, Request] = {}
+        self.requests: dict[Hashable, PackedRequest] = {}
         self.bundles: dict[int, Bundle] = {}
         self.pools: dict[Cls, dict[Bin, None]] = {c: {} for c in (Cls.T, Cls.S, Cls.M, Cls.L)}
         self.dirty: dict[Bin, None] = {}
@@ -95,7 +95,7 @@ class Packing:
 
     # ---- queries (modify nothing) ----------------------------------------------------------------
 
-    def bin_of(self, r: Request) -> Bin:
+    def bin_of(self, r: PackedRequest) -> Bin:
         b = r.bundle.bin if r.bundle is not None else r.bin
         assert b is not None, f"request {r.rid} is not placed"
         return b
@@ -196,7 +196,7 @@ class Packing:
         self.bundles[bundle.bid] = bundle
         return bundle
 
-    def join(self, r: Request, bundle: Bundle) -> None:
+    def join(self, r: PackedRequest, bundle: Bundle) -> None:
         bundle.members[r.rid] = r
         bundle.size += r.size
         r.bundle = bundle
@@ -204,7 +204,7 @@ class Packing:
             bundle.bin.used += r.size
             self.mark(bundle.bin)
 
-    def leave(self, r: Request) -> Bin:
+    def leave(self, r: PackedRequest) -> Bin:
         """Takes tiny request `r` out of its bundle and its bin (a departure). Returns the bin."""
         bundle = r.bundle
         assert bundle is not None and bundle.bin is not None
@@ -221,7 +221,7 @@ class Packing:
         self._relabel(b)
         return b
 
-    def grow(self, r: Request, new_size: int) -> Bin:
+    def grow(self, r: PackedRequest, new_size: int) -> Bin:
         """Resizes placed request `r` in place. A tiny request that outgrows C/8 leaves its bundle
         and becomes a unit on the same bin; a bundle that outgrows C/4 splits (no move)."""
         b = self.bin_of(r)
@@ -273,7 +273,7 @@ class Packing:
         b = bundle.bin
         assert b is not None
         ordered = sorted(bundle.members.values(), key=lambda r: -r.size)
-        pieces: list[list[Request]] = []
+        pieces: list[list[PackedRequest]] = []
         loads: list[int] = []
         for r in ordered:
             for i, load in enumerate(loads):
