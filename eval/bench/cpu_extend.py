@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import urllib.request
 from datetime import datetime, timezone
@@ -101,12 +102,15 @@ def bench_op(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         samples = time_ms({mode: (lambda fn=fn: fn(backend, *args, **kwargs))
                            for mode, fn in impls.items()}, repeats)
         best = {mode: min(v) for mode, v in samples.items()}
+        ratios = [a / b for a, b in zip(samples["stock"], samples["ours"])]  # per round: both timed in turn
         records.append(record(
             {"part": "op", "prefix_len": prefix_len, "extend_len": extend_len,
              "num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-             "dtype": "float32", "repeats": repeats, "statistic": "min (also median)"},
+             "dtype": "float32", "repeats": repeats, "statistic": "median (min-max) over rounds; also min"},
             {"per_op_ms": best,
              "per_op_median_ms": {mode: statistics.median(v) for mode, v in samples.items()},
+             "per_op_range_ms": {mode: [min(v), max(v)] for mode, v in samples.items()},
+             "speedup_per_round": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
              f"x{NUM_LAYERS}_layers_ms": {mode: v * NUM_LAYERS for mode, v in best.items()},
              "speedup": best["stock"] / best["ours"]},
         ))
@@ -189,15 +193,22 @@ def bench_server(model_path: str, prompt_len: int, new_len: int, trials: int) ->
 
 
 def markdown(records: list[dict]) -> str:
-    lines = ["| case (op: best, one layer; server: median) | stock | ours | stock / ours |",
-             "|---|---:|---:|---:|"]
+    lines = ["| case (op: median (min-max) over rounds, one layer; server: median) | stock | ours | stock / ours "
+             "(median, min-max of per-round ratios) |", "|---|---:|---:|---:|"]
     for r in records:
         s, m = r["setup"], r["measurements"]
         if s["part"] == "op":
             name = (f"op, {s['extend_len']} new after {s['prefix_len']} cached" if s["prefix_len"]
                     else f"op, cold prefill {s['extend_len']}")
-            st, ou = m["per_op_ms"]["stock"], m["per_op_ms"]["ours"]
-            lines.append(f"| {name} (ms/layer) | {st:.2f} | {ou:.2f} | {st / ou:.1f}x |")
+            if "per_op_range_ms" not in m:  # records written before rounds were kept
+                st, ou = m["per_op_ms"]["stock"], m["per_op_ms"]["ours"]
+                lines.append(f"| {name} (ms/layer, best) | {st:.2f} | {ou:.2f} | {st / ou:.1f}x |")
+                continue
+            cell = {mode: f"{m['per_op_median_ms'][mode]:.2f} ({m['per_op_range_ms'][mode][0]:.2f}-"
+                          f"{m['per_op_range_ms'][mode][1]:.2f})" for mode in MODES}
+            r = m["speedup_per_round"]
+            lines.append(f"| {name} (ms/layer) | {cell['stock']} | {cell['ours']} | {r['median']:.1f}x "
+                         f"({r['min']:.1f}-{r['max']:.1f}) |")
     server = {r["setup"]["mode"]: r for r in records if r["setup"]["part"] == "server"}
     if len(server) == 2:
         setup = server["ours"]["setup"]
@@ -233,7 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "a") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    print(markdown(records))
+    text = markdown(records)
+    load = records[0]["device"]
+    header = (f"# CPU extend attention ({records[0]['date'][:10]})\n\nMachine: {load}. Command: "
+              f"`.venv/bin/python -m eval.bench.cpu_extend {' '.join(sys.argv[1:] if argv is None else argv)}`.\n\n")
+    args.out.with_suffix(".md").write_text(header + text + "\n")
+    print(text)
     print(f"\n{len(records)} records appended to {args.out}")
 
 
