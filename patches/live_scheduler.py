@@ -13,8 +13,11 @@ Each admission pass:
 3. SGLang's pass considers only those requests (others are skipped for this pass, keeping their place);
 4. what SGLang did not admit after all (its own memory or batch limits) is re-queued at its arrival position.
 Finished requests return their quota and teach the output-length predictor; a request SGLang retracts (decode out
-of memory) is re-queued. Choices left open: bypass squashes (aborting a running request to let a bypassed one in)
-are not applied live, since SGLang has no re-queue of a half-run request; the rank of a base-model request is 0.
+of memory) is re-queued. Choices left open: bypass squashes (retracting a running request to let a bypassed one in)
+are not applied live. SGLang's retraction could carry one out, but here requests are priced without their adapter
+(`adapter_tokens` 0: the pool charges each resident adapter once), so the rule's test "free + footprint(R2) >=
+need(R1)" cannot tell whether retracting R2 frees the adapter memory R1 waits for, and would squash on every
+bypass. The rank of a base-model request is 0.
 """
 
 from __future__ import annotations
