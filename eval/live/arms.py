@@ -85,7 +85,9 @@ def adapter_names(adapters_dir: str | Path) -> list[str]:
 
 
 def server_args(config: ExperimentConfig, arm: ArmConfig) -> tuple[list[str], dict]:
-    """The launch_server flags and extra environment for `arm` on `config.device`."""
+    """The launch_server flags and extra environment for `arm` on `config.device`. Every arm sleeps when idle
+    (`--sleep-on-idle`): the harness keeps all arms up at once, and an idle scheduler that polls would take a core
+    from the arm being measured."""
     env = dict(arm.env)
     if config.device == "cpu":
         args = [
@@ -95,6 +97,7 @@ def server_args(config: ExperimentConfig, arm: ArmConfig) -> tuple[list[str], di
         ]
     elif arm.kind == "ours":
         args = [
+            "--sleep-on-idle",
             "--multilora-adapter-dir",
             config.adapters_dir,
             "--max-total-tokens",
@@ -103,6 +106,7 @@ def server_args(config: ExperimentConfig, arm: ArmConfig) -> tuple[list[str], di
     else:
         paths = [f"{n}={Path(config.adapters_dir) / n}" for n in adapter_names(config.adapters_dir)]
         args = [
+            "--sleep-on-idle",
             "--enable-lora",
             "--lora-paths",
             *paths,

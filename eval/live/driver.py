@@ -127,8 +127,10 @@ class ArmReplay:
         time_scale: float,
         timeout_s: float,
         on_result: Callable | None,
+        tags: dict | None = None,
     ):
         self.workload, self.target, self.experiment = workload, target, experiment
+        self.tags = dict(tags or {})
         self.mapping, self.out, self.time_scale = mapping, out, time_scale
         self.timeout_s, self.on_result = timeout_s, on_result
         self.texts: dict[str, asyncio.Future] = {}
@@ -173,6 +175,7 @@ class ArmReplay:
             "request_rate": self.rate,
             "url": self.target.url,
             **{k: v for k, v in req.tags.items() if k != "kind"},
+            **self.tags,
         }
         if history is None or self.unreachable:
             base.error = (
@@ -295,9 +298,11 @@ def replay(
     time_scale: float = 1.0,
     timeout_s: float = 600.0,
     on_result: Callable[[RequestResult], None] | None = None,
+    tags: dict | None = None,
 ) -> list[RequestResult]:
     """Replays `workload` against each target in turn, appending one JSON line per request to `out_path` as it
-    finishes. Raises ServerUnreachable (naming the address) when a server cannot be reached before or during its
+    finishes; `tags` (JSON values, e.g. the harness's repeat index) go into every record's `extra`. Raises
+    ServerUnreachable (naming the address) when a server cannot be reached before or during its
     arm; every result recorded until then stays in the file. Requests that fail otherwise are recorded with
     their error and the replay goes on."""
     if time_scale <= 0:
@@ -310,7 +315,7 @@ def replay(
         for target in targets:
             asyncio.run(check_reachable(target))
             arm = ArmReplay(
-                workload, target, experiment, mapping, out, time_scale, timeout_s, on_result
+                workload, target, experiment, mapping, out, time_scale, timeout_s, on_result, tags
             )
             results += asyncio.run(arm.run())
             if arm.unreachable:

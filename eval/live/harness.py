@@ -1,21 +1,27 @@
-"""One command: generate a workload, replay it against each arm's server, write results, a report and plots.
-Not here: how each arm starts (`arms.py`), the replay (`driver.py`) or the tables (`report.py`).
+"""One command: generate a workload, replay it against each arm's server, repeatedly, write results, a report and
+plots. Not here: how each arm starts (`arms.py`), the order of replays (`protocol.py`), the replay (`driver.py`) or
+the tables (`report.py`).
 
     .venv/bin/python -m eval.live.harness --workload chatbot --arms ours,stock --out-dir eval/results/chatbot \
-        --param num_conversations=8 --param mean_output_tokens=8 --time-scales 1,4
+        --param num_conversations=8 --param mean_output_tokens=8 --time-scales 1,4 --repeats 3
 
-Starts each arm's server in turn (the embedded model on CPU by default, or `--config` / `--model --device cuda`),
-or uses `--url ARM=URL` for servers already running; replays the workload once per time scale (arrivals compressed
-by that factor: the rate points of the TTFT-vs-rate plot), each on an emptied prefix cache (`--keep-cache` keeps
-it); writes `results.jsonl` (one line per request, as it finishes), `report.md` (starting with the run's setup) and
-PNGs under --out-dir. `--bench-serving N` also runs SGLang's
-`python -m sglang.bench_serving` with N prompts over the served LoRA adapters (`--lora-name`) on each arm.
-An unreachable server stops the run with its address; the results so far and the report are still written.
+Starts every arm's server once and keeps them all up for the whole run (the embedded model on CPU by default, or
+`--config` / `--model --device cuda`; idle servers sleep), or uses `--url ARM=URL` for servers already running.
+Then, for each of `--repeats` repeats (default 3) and each time scale (arrivals compressed by that factor: the
+rate points of the TTFT-vs-rate plot), replays the workload on each arm in turn, the arm order rotated per repeat
+(two arms: alternating; protocol.py), each replay on an emptied prefix cache (`--keep-cache` keeps it). Writes
+`results.jsonl` (one line per request, as it finishes; `extra.repeat` and `extra.load_avg`, the load average when
+its replay started), `report.md` (starting with the run's setup: machine, load, protocol; figures as median
+(min-max) over repeats) and PNGs under --out-dir. `--bench-serving N` also runs SGLang's
+`python -m sglang.bench_serving` with N prompts over the served LoRA adapters (`--lora-name`) on each arm after
+each repeat. An unreachable server stops the run with its address; the results so far and the report are still
+written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -32,10 +38,10 @@ from eval.live.arms import (
     bench_serving_command,
     load_config,
     run_bench_serving,
-    server_args,
     start_arm,
 )
 from eval.live.driver import ServedAdapter, ServerUnreachable, Target, replay, served_from_manifest
+from eval.live.protocol import arm_order, load_average, schedule, setup_section
 from eval.live.report import load_results, write_report
 from eval.workloads import WORKLOADS, create_workload
 from sgl_multilora.embedded import ensure_embedded_model
@@ -64,39 +70,10 @@ def served_adapters(adapters_dir: str) -> list[ServedAdapter]:
     ]
 
 
-BENCH_FIELDS = (
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "output_throughput",
-)
-
-
-def bench_serving_table(out_dir: Path) -> str:
-    """A Markdown table of the bench_serving_<arm>.jsonl files in out_dir (their last line), or ""."""
-    files = sorted(out_dir.glob("bench_serving_*.jsonl"))
-    if not files:
-        return ""
-    lines = [
-        "",
-        "`python -m sglang.bench_serving` (random ids, `--lora-name` over the served LoRAs):",
-        "",
-    ]
-    lines += ["| arm | " + " | ".join(BENCH_FIELDS) + " |", "|---|" + "---:|" * len(BENCH_FIELDS)]
-    for path in files:
-        summary = json.loads(path.read_text().strip().splitlines()[-1])
-        cells = [
-            f"{summary[k]:.1f}" if isinstance(summary.get(k), float) else "-" for k in BENCH_FIELDS
-        ]
-        lines.append(f"| {path.stem.removeprefix('bench_serving_')} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def flush_cache(arm: str, url: str, bar) -> None:
     """Empties the server's prefix cache (SGLang's `/flush_cache`) so that a replay does not hit what the previous
     replay of the same workload cached. SGLang refuses while requests are in flight; then this retries for 60 s and
-    says so if it still cannot."""
+    says so if it still cannot. Raises ServerUnreachable when nothing answers at `url`."""
     deadline = time.time() + 60
     while True:
         try:
@@ -104,6 +81,8 @@ def flush_cache(arm: str, url: str, bar) -> None:
             if response.status_code == 200:
                 return
             problem = f"HTTP {response.status_code}: {response.text.strip()[:200]}"
+        except requests.ConnectionError as e:
+            raise ServerUnreachable(f"cannot reach the server for arm {arm!r} at {url}: {e}") from e
         except requests.RequestException as e:
             problem = str(e)
         if time.time() > deadline:
@@ -113,76 +92,71 @@ def flush_cache(arm: str, url: str, bar) -> None:
         time.sleep(1.0)
 
 
-def run_arm(args, config: ExperimentConfig, arm, workload, served, results_path: Path, bar) -> None:
-    server = None if arm.url else start_arm(config, arm, args.out_dir / "logs")
-    url = arm.url or server.url
-    try:
-        for scale in args.time_scales:
-            if not args.keep_cache:
-                flush_cache(arm.name, url, bar)
-            replay(
-                workload,
-                [Target(arm.name, url)],
-                results_path,
-                args.experiment or workload.name,
-                served,
-                time_scale=scale,
-                timeout_s=args.timeout_s,
-                on_result=lambda _: bar.update(1),
-            )
-        if args.bench_serving:
-            out = args.out_dir / f"bench_serving_{arm.name.replace(':', '_')}.jsonl"
-            names = [s.name for s in served if s.kind == "lora"]
-            tokenizer = config.model or str(ensure_embedded_model())
-            command = bench_serving_command(
-                url,
-                tokenizer,
-                names,
-                out,
-                args.bench_serving,
-                args.bench_rate,
-                args.bench_input_len,
-                args.bench_output_len,
-                args.seed,
-            )
-            bar.write(f"{arm.name}: sglang.bench_serving {' '.join(command[3:])}")
-            try:
-                summary = run_bench_serving(command, out)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                bar.write(f"{arm.name}: {e}")
-            else:
-                bar.write(f"{arm.name}: bench_serving mean TTFT {summary.get('mean_ttft_ms')} ms")
-    finally:
-        if server is not None:
-            server.stop()
-
-
-def setup_section(argv: list[str], config: ExperimentConfig, arms, workload, started: datetime.datetime) -> str:
-    """The run's setup for the report: command, start date, machine, model, each arm's server flags, workload."""
-    import os
-    import platform
-    import shlex
-
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    lines = [
-        f"- command: `{shlex.join(['python', '-m', 'eval.live.harness', *argv])}`",
-        f"- started: {started.strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, GPU: {gpu}; device {config.device}",
-        f"- model: {config.model or 'embedded SmolLM2-135M-Instruct'}; adapters: {config.adapters_dir}",
-    ]
+def start_servers(stack: contextlib.ExitStack, config: ExperimentConfig, arms, log_dir: Path) -> dict[str, str]:
+    """Each arm's address: its `url`, else a server started now and stopped when `stack` closes. Every server
+    stays up for the whole run (they sleep when idle: arms.py). Raises ServerStartError from start_arm; the
+    servers started before it are stopped when `stack` closes."""
+    urls = {}
     for arm in arms:
         if arm.url:
-            lines.append(f"- arm `{arm.name}` ({arm.kind}): running server at {arm.url}")
+            urls[arm.name] = arm.url
         else:
-            flags, env = server_args(config, arm)
-            env_text = " ".join(f"{k}={v}" for k, v in env.items())
-            lines.append(f"- arm `{arm.name}` ({arm.kind}): `{(env_text + ' ') if env_text else ''}"
-                         f"launch_server {shlex.join(flags)}`")
-    params = ", ".join(f"{k}={v}" for k, v in workload.params.items())
-    lines.append(f"- workload: {workload.name}, seed {workload.seed}, {len(workload.requests)} requests; {params}")
-    return "Setup:\n\n" + "\n".join(lines) + "\n"
+            server = start_arm(config, arm, log_dir)
+            stack.callback(server.stop)
+            urls[arm.name] = server.url
+    return urls
+
+
+def bench_serving_arm(args, config: ExperimentConfig, arm: str, url: str, served, bar) -> None:
+    """One `sglang.bench_serving` run on `arm`, its summary appended to bench_serving_<arm>.jsonl."""
+    out = args.out_dir / f"bench_serving_{arm.replace(':', '_')}.jsonl"
+    names = [s.name for s in served if s.kind == "lora"]
+    tokenizer = config.model or str(ensure_embedded_model())
+    command = bench_serving_command(url, tokenizer, names, out, args.bench_serving, args.bench_rate,
+                                    args.bench_input_len, args.bench_output_len, args.seed)
+    bar.write(f"{arm}: sglang.bench_serving {' '.join(command[3:])}")
+    try:
+        summary = run_bench_serving(command, out)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        bar.write(f"{arm}: {e}")
+    else:
+        bar.write(f"{arm}: bench_serving mean TTFT {summary.get('mean_ttft_ms')} ms")
+
+
+def run_all(args, config: ExperimentConfig, urls: dict[str, str], workload, served, results_path: Path, bar):
+    """Every replay of `schedule(...)` in order, each on a flushed cache (unless --keep-cache), its records tagged
+    with the repeat and the load average at its start; after each repeat's replays, bench_serving on each arm (in
+    that repeat's order) when asked. Raises ServerUnreachable from the driver."""
+    plan = schedule(list(urls), args.repeats, args.time_scales)
+    for i, step in enumerate(plan):
+        bar.set_postfix_str(f"rep {step.repeat} x{step.time_scale:g} {step.arm}")
+        url = urls[step.arm]
+        if not args.keep_cache:
+            flush_cache(step.arm, url, bar)
+        replay(
+            workload,
+            [Target(step.arm, url)],
+            results_path,
+            args.experiment or workload.name,
+            served,
+            time_scale=step.time_scale,
+            timeout_s=args.timeout_s,
+            on_result=lambda _: bar.update(1),
+            tags={"repeat": step.repeat, "load_avg": list(load_average())},
+        )
+        repeat_done = i + 1 == len(plan) or plan[i + 1].repeat != step.repeat
+        if args.bench_serving and repeat_done:
+            for arm in arm_order(list(urls), step.repeat):
+                if not args.keep_cache:
+                    flush_cache(arm, urls[arm], bar)
+                bench_serving_arm(args, config, arm, urls[arm], served, bar)
+
+
+def set_aside(path: Path) -> None:
+    """A new run starts new files; the previous one is kept beside it as <name>.prev."""
+    if path.exists():
+        path.replace(path.with_name(path.name + ".prev"))
+        print(f"moved the previous {path} to {path.name}.prev")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
     parser.add_argument(
-        "--time-scales", default="1", help="comma-separated arrival compressions, one run each"
+        "--time-scales", default="1", help="comma-separated arrival compressions, one replay each"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="replays of every (arm, time scale), arms interleaved"
     )
     parser.add_argument(
         "--experiment", help="experiment name in the records (default: the workload's)"
@@ -234,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-rate", type=float, default=1.0)
     parser.add_argument("--bench-input-len", type=int, default=128)
     parser.add_argument("--bench-output-len", type=int, default=16)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
+    load_start = load_average()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.time_scales = [float(x) for x in args.time_scales.split(",")]
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
 
     arm_names = [a for a in args.arms.split(",") if a] if args.arms else None
     try:
@@ -266,9 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         served = [s for s in served if s.name in names]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results_path = args.out_dir / "results.jsonl"
-    if results_path.exists():  # a new run starts a new file; the previous one is kept beside it
-        results_path.replace(results_path.with_suffix(".jsonl.prev"))
-        print(f"moved the previous {results_path} to {results_path.with_suffix('.jsonl.prev')}")
+    for path in [results_path, *args.out_dir.glob("bench_serving_*.jsonl")]:
+        set_aside(path)
     (args.out_dir / "workload.json").write_text(
         json.dumps(
             {
@@ -282,30 +261,31 @@ def main(argv: list[str] | None = None) -> int:
             default=str,
         )
     )
-    total = len(workload.requests) * len(args.time_scales) * len(arms)
+    total = len(workload.requests) * len(args.time_scales) * len(arms) * args.repeats
     status = 0
-    with tqdm(total=total, desc=f"{workload.name} x {len(arms)} arms", unit="req") as bar:
-        for arm in arms:
-            bar.set_postfix_str(arm.name)
-            try:
-                run_arm(args, config, arm, workload, served, results_path, bar)
-            except ServerUnreachable as e:
-                bar.write(f"error: {e}")
-                status = 1
-                break
+    with (
+        contextlib.ExitStack() as servers,
+        tqdm(total=total, desc=f"{workload.name} x {len(arms)} arms x {args.repeats}", unit="req") as bar,
+    ):
+        arm_urls = start_servers(servers, config, arms, args.out_dir / "logs")
+        try:
+            run_all(args, config, arm_urls, workload, served, results_path, bar)
+        except ServerUnreachable as e:
+            bar.write(f"error: {e}")
+            status = 1
+        load_end = load_average()  # before the servers stop
     records = load_results([results_path]) if results_path.is_file() else []
     if records:
+        protocol = {"num_repeats": args.repeats, "time_scales": args.time_scales, "keep_cache": args.keep_cache,
+                    "load_start": load_start, "load_end": load_end}
         md, pngs = write_report(
             records,
             args.out_dir,
             args.baselines.split(","),
             args.slo_s,
             title=f"{workload.name} (seed {workload.seed})",
-            setup=setup_section(argv, config, arms, workload, started),
+            setup=setup_section(argv, config, arms, workload, started, protocol, records),
         )
-        bench = bench_serving_table(args.out_dir)
-        if bench:
-            md.write_text(md.read_text() + bench)
         print(md.read_text())
         print("wrote", results_path, md, *pngs)
     return status

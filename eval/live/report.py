@@ -1,14 +1,16 @@
-"""Reports from results JSON lines (live or simulated `RequestResult`s): a Markdown table and PNG plots.
-Not here: producing the records (`driver.py`, eval/sim/) or the simulated ELORA report
-(eval/sim/compare_report.py).
+"""Reports from results JSON lines (live or simulated `RequestResult`s): Markdown tables and PNG plots.
+Not here: producing the records (`driver.py`, eval/sim/), the figures themselves (`summary.py`) or the simulated
+ELORA report (eval/sim/compare_report.py).
 
-Per experiment, arm and offered request rate: mean / P50 / P99 TTFT, mean / P99 TPOT, errors, prefix-cache hit
-rates by request kind, hit rates by cache kind, invalid-KV share and peak memory where the records carry them; per
-experiment and arm the peak load under a TTFT SLO (ELORA: the highest rate whose mean TTFT stays under the SLO);
-ratios of every arm to each baseline arm at the same rate. Record fields read from `extra` (all optional):
-`request_rate` (offered requests/s; else taken from the arrivals), `kind` (base / lora / alora), `hits`
-({cache kind: 0..1}), `invalid_kv_share` (0..1), `memory_bytes` ({kind: bytes}) sampled at `memory_t_s` (else at
-arrival_s + e2e_s). Plots: TTFT against request rate, and memory by kind over time (as ELORA's Fig. 14).
+Per experiment, arm and offered request rate, each figure as its median over repeats with (min-max): mean / P50 /
+P99 TTFT, mean / P99 TPOT, prefix-cache hit rates by request kind, hit rates by cache kind, invalid-KV share and
+peak memory where the records carry them, with the requests and errors of all repeats; per experiment and arm the
+peak load under a TTFT SLO (ELORA: the highest rate whose median mean TTFT stays under the SLO); ratios of every
+arm to each baseline arm, taken within each repeat at the same rate, as median (min-max). Record fields read from
+`extra` (all optional): `repeat` (0, 1, ...; absent: one repeat), `request_rate` (offered requests/s; else taken
+from the arrivals), `kind` (base / lora / alora), `hits` ({cache kind: 0..1}), `invalid_kv_share` (0..1),
+`memory_bytes` ({kind: bytes}) sampled at `memory_t_s` (else at arrival_s + e2e_s). Plots: median TTFT against
+request rate with the min-max as error bars, and memory by kind over time in the first repeat (ELORA's Fig. 14).
 
 Usage: .venv/bin/python -m eval.live.report results.jsonl [...] --out-dir DIR [--baselines stock] [--slo-s 0.5]
 """
@@ -18,236 +20,131 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+from eval.live.summary import (  # noqa: F401 (re-exported: the report's public names)
+    Row,
+    Spread,
+    Summary,
+    load_results,
+    peak_load,
+    ratios,
+    summarize,
+)
 
 
-@dataclass
-class Row:
-    experiment: str
-    arm: str
-    rate: float
-    num: int
-    num_errors: int
-    ttft_mean: float | None
-    ttft_p50: float | None
-    ttft_p99: float | None
-    tpot_mean: float | None
-    tpot_p99: float | None
-    e2e_mean: float | None
-    prefix_hit_by_kind: dict = field(
-        default_factory=dict
-    )  # request kind -> cached tokens / prompt tokens
-    hits: dict = field(default_factory=dict)  # cache kind -> mean hit
-    invalid_kv_share: float | None = None
-    peak_memory_bytes: dict = field(default_factory=dict)
+def fmt_spread(s: Spread | None, scale: float = 1000.0, digits: int = 0, unit: str = "") -> str:
+    """`median (min-max)`, or just the value for a single repeat; "-" for None."""
+    if s is None:
+        return "-"
+    value = f"{s.median * scale:.{digits}f}{unit}"
+    if s.num == 1:
+        return value
+    return f"{value} ({s.low * scale:.{digits}f}-{s.high * scale:.{digits}f}{unit})"
 
 
-def load_results(paths: list[str | Path]) -> list[dict]:
-    """Every record of the given JSON-lines files. Raises ValueError naming the file and line of a bad line."""
-    records = []
-    for path in paths:
-        for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                rec["experiment"], rec["arm"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a RequestResult record ({e})") from e
-            records.append(rec)
-    return records
+def _by_kind(spreads: dict[str, Spread], scale: float, unit: str = "") -> str:
+    return ", ".join(f"{k} {fmt_spread(v, scale, 0, unit)}" for k, v in spreads.items()) or "-"
 
 
-def _rate(recs: list[dict]) -> float:
-    rates = [r.get("extra", {}).get("request_rate") for r in recs]
-    if all(x is not None for x in rates) and rates:
-        return round(float(np.mean(rates)), 4)
-    times = sorted(r["arrival_s"] for r in recs)
-    span = times[-1] - times[0] if len(times) > 1 else 0.0
-    return round((len(times) - 1) / span, 4) if span > 0 else 0.0
-
-
-def _stats(values: list[float]) -> tuple[float | None, float | None, float | None]:
-    if not values:
-        return None, None, None
-    arr = np.asarray(values, dtype=np.float64)
-    return float(arr.mean()), float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
-
-
-def summarize_group(experiment: str, arm: str, rate: float, recs: list[dict]) -> Row:
-    ok = [r for r in recs if not r.get("error")]
-    ttft = _stats([r["ttft_s"] for r in ok if r.get("ttft_s") is not None])
-    tpot = _stats([r["tpot_s"] for r in ok if r.get("tpot_s") is not None])
-    e2e = _stats([r["e2e_s"] for r in ok if r.get("e2e_s") is not None])
-    cached, prompt = defaultdict(int), defaultdict(int)
-    hits, invalid, memory = defaultdict(list), [], defaultdict(int)
-    for r in ok:
-        extra = r.get("extra") or {}
-        kind = extra.get("kind") or ("lora" if r.get("adapter") else "base")
-        cached[kind] += r.get("cached_tokens", 0)
-        prompt[kind] += r.get("prompt_tokens", 0)
-        for k, v in (extra.get("hits") or {}).items():
-            hits[k].append(float(v))
-        if extra.get("invalid_kv_share") is not None:
-            invalid.append(float(extra["invalid_kv_share"]))
-        for k, v in (extra.get("memory_bytes") or {}).items():
-            memory[k] = max(memory[k], int(v))
-    return Row(
-        experiment,
-        arm,
-        rate,
-        len(recs),
-        len(recs) - len(ok),
-        ttft[0],
-        ttft[1],
-        ttft[2],
-        tpot[0],
-        tpot[2],
-        e2e[0],
-        {k: cached[k] / prompt[k] for k in prompt if prompt[k]},
-        {k: float(np.mean(v)) for k, v in hits.items()},
-        float(np.mean(invalid)) if invalid else None,
-        dict(memory),
-    )
-
-
-def summarize(records: list[dict]) -> list[Row]:
-    """One Row per (experiment, arm, offered rate), in first-seen order of experiment and arm, rates ascending.
-    Records of one (experiment, arm) carrying no request_rate form one group."""
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for rec in records:
-        groups[(rec["experiment"], rec["arm"])].append(rec)
-    rows = []
-    for (experiment, arm), recs in groups.items():
-        by_rate: dict[object, list[dict]] = defaultdict(list)
-        for rec in recs:
-            by_rate[(rec.get("extra") or {}).get("request_rate")].append(rec)
-        for group in by_rate.values():
-            rows.append(summarize_group(experiment, arm, _rate(group), group))
-    order = {key: i for i, key in enumerate(groups)}
-    return sorted(rows, key=lambda r: (order[(r.experiment, r.arm)], r.rate))
-
-
-def peak_load(
-    rows: list[Row], slo_s: float, metric: str = "ttft_mean"
-) -> dict[tuple[str, str], float | None]:
-    """Per (experiment, arm): the highest offered rate whose `metric` TTFT is within slo_s, None if none is."""
-    out: dict[tuple[str, str], float | None] = {}
-    for r in rows:
-        key = (r.experiment, r.arm)
-        value = getattr(r, metric)
-        out.setdefault(key, None)
-        if value is not None and value <= slo_s and r.num_errors < r.num:
-            out[key] = max(out[key] or 0.0, r.rate)
-    return out
-
-
-def ratios(rows: list[Row], baselines: list[str]) -> list[dict]:
-    """Arm / baseline ratios of mean and P99 TTFT and mean TPOT, per experiment and rate (below 1: arm is faster).
-    Rows at the same experiment and rate (within 1%) are compared."""
-    out = []
-    for base in (r for r in rows if r.arm in baselines):
-        for r in rows:
-            if (
-                r.experiment != base.experiment
-                or r.arm == base.arm
-                or abs(r.rate - base.rate) > 0.01 * base.rate
-            ):
-                continue
-            ratio = {
-                m: (getattr(r, m) / getattr(base, m))
-                if getattr(r, m) and getattr(base, m)
-                else None
-                for m in ("ttft_mean", "ttft_p99", "tpot_mean")
-            }
-            out.append(
-                {
-                    "experiment": r.experiment,
-                    "rate": r.rate,
-                    "arm": r.arm,
-                    "baseline": base.arm,
-                    **ratio,
-                }
-            )
-    return out
-
-
-def _fmt(x: float | None, scale: float = 1000.0, digits: int = 0) -> str:
-    return "-" if x is None else f"{x * scale:.{digits}f}"
-
-
-def markdown(rows: list[Row], baselines: list[str], slo_s: float) -> str:
-    peaks = peak_load(rows, slo_s)
+def markdown(summaries: list[Summary], baselines: list[str], slo_s: float) -> str:
+    peaks = peak_load(summaries, slo_s)
     lines = [
-        "| experiment | arm | rate (req/s) | n | errors | TTFT mean / P50 / P99 (ms) "
+        "Each figure: median over repeats (min-max); n and errors: all repeats together.",
+        "",
+        "| experiment | arm | rate (req/s) | repeats | n | errors | TTFT mean / P50 / P99 (ms) "
         + "| TPOT mean / P99 (ms) | prefix hit by kind | hit by cache kind | invalid KV "
         + "| peak memory (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
     ]
-    for r in rows:
-        hit_kind = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r.prefix_hit_by_kind.items())) or "-"
-        hits = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r.hits.items())) or "-"
-        mem = (
-            ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(r.peak_memory_bytes.items())) or "-"
-        )
+    for s in summaries:
+        ttft = " / ".join(fmt_spread(s.spread(m)) for m in ("ttft_mean", "ttft_p50", "ttft_p99"))
+        tpot = " / ".join(fmt_spread(s.spread(m), digits=1) for m in ("tpot_mean", "tpot_p99"))
         lines.append(
-            f"| {r.experiment} | {r.arm} | {r.rate:.3g} | {r.num} | {r.num_errors} | "
-            f"{_fmt(r.ttft_mean)} / {_fmt(r.ttft_p50)} / {_fmt(r.ttft_p99)} | "
-            f"{_fmt(r.tpot_mean, digits=1)} / {_fmt(r.tpot_p99, digits=1)} | {hit_kind} | {hits} | "
-            f"{_fmt(r.invalid_kv_share, 100, 1) + ' %' if r.invalid_kv_share is not None else '-'} | {mem} |"
+            f"| {s.experiment} | {s.arm} | {s.rate:.3g} | {s.num_repeats} | {s.num} | {s.num_errors} | "
+            f"{ttft} | {tpot} | {_by_kind(s.spread_by_kind('prefix_hit_by_kind'), 100, '%')} | "
+            f"{_by_kind(s.spread_by_kind('hits'), 100, '%')} | "
+            f"{fmt_spread(s.spread('invalid_kv_share'), 100, 1, ' %')} | "
+            f"{_by_kind(s.spread_by_kind('peak_memory_bytes'), 2**-20)} |"
         )
     lines += [
         "",
-        f"Peak load under the TTFT SLO (mean TTFT <= {slo_s * 1000:.0f} ms, highest offered rate):",
+        f"Peak load under the TTFT SLO (median mean TTFT <= {slo_s * 1000:.0f} ms, highest offered rate):",
         "",
         "| experiment | arm | peak load (req/s) |",
         "|---|---|---:|",
     ]
     lines += [f"| {e} | {a} | {'-' if p is None else f'{p:.3g}'} |" for (e, a), p in peaks.items()]
-    table = ratios(rows, baselines)
+    table = ratios(summaries, baselines)
     if table:
         lines += [
             "",
-            "Ratios to each baseline at the same rate (arm / baseline; below 1 is better):",
+            "Ratios to each baseline (arm / baseline, each within one repeat at the same rate; "
+            + "median (min-max) over repeats; below 1 is better):",
             "",
-            "| experiment | rate | arm | baseline | mean TTFT | P99 TTFT | mean TPOT |",
-            "|---|---:|---|---|---:|---:|---:|",
+            "| experiment | rate | arm | baseline | repeats | mean TTFT | P99 TTFT | mean TPOT |",
+            "|---|---:|---|---|---:|---:|---:|---:|",
         ]
         for t in table:
+            cells = " | ".join(fmt_spread(t[m], 1, 2, "x") for m in ("ttft_mean", "ttft_p99", "tpot_mean"))
             lines.append(
-                f"| {t['experiment']} | {t['rate']:.3g} | {t['arm']} | {t['baseline']} | "
-                + " | ".join(
-                    "-" if t[m] is None else f"{t[m]:.2f}x"
-                    for m in ("ttft_mean", "ttft_p99", "tpot_mean")
-                )
-                + " |"
+                f"| {t['experiment']} | {t['rate']:.3g} | {t['arm']} | {t['baseline']} | {t['num_repeats']} | "
+                f"{cells} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def plot_ttft_vs_rate(rows: list[Row], out_dir: Path) -> list[Path]:
+BENCH_FIELDS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "output_throughput")
+
+
+def bench_serving_table(out_dir: Path) -> str:
+    """A Markdown table of the bench_serving_<arm>.jsonl files in out_dir (one JSON line per run, one run per
+    repeat): each field as median (min-max) over the runs; "" without such files."""
+    files = sorted(Path(out_dir).glob("bench_serving_*.jsonl"))
+    if not files:
+        return ""
+    lines = [
+        "",
+        "`python -m sglang.bench_serving` (random ids, `--lora-name` over the served LoRAs; "
+        + "one run per repeat, median (min-max)):",
+        "",
+        "| arm | runs | " + " | ".join(BENCH_FIELDS) + " |",
+        "|---|---:|" + "---:|" * len(BENCH_FIELDS),
+    ]
+    for path in files:
+        runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        cells = [
+            fmt_spread(Spread.of(r.get(k) if isinstance(r.get(k), (int, float)) else None for r in runs), 1, 1)
+            for k in BENCH_FIELDS
+        ]
+        lines.append(f"| {path.stem.removeprefix('bench_serving_')} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_ttft_vs_rate(summaries: list[Summary], out_dir: Path) -> list[Path]:
+    """Per experiment: median mean TTFT against offered rate per arm, the min-max over repeats as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for experiment in dict.fromkeys(r.experiment for r in rows):
+    for experiment in dict.fromkeys(s.experiment for s in summaries):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for arm in dict.fromkeys(r.arm for r in rows if r.experiment == experiment):
+        for arm in dict.fromkeys(s.arm for s in summaries if s.experiment == experiment):
             pts = [
-                (r.rate, r.ttft_mean)
-                for r in rows
-                if r.experiment == experiment and r.arm == arm and r.ttft_mean is not None
+                (s.rate, s.spread("ttft_mean"))
+                for s in summaries
+                if s.experiment == experiment and s.arm == arm and s.spread("ttft_mean") is not None
             ]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=arm)
+                rates, spreads = zip(*pts)
+                medians = [p.median for p in spreads]
+                errors = [[p.median - p.low for p in spreads], [p.high - p.median for p in spreads]]
+                ax.errorbar(rates, medians, yerr=errors, marker="o", capsize=3, label=arm)
         ax.set(
             xlabel="offered request rate (req/s)",
-            ylabel="mean TTFT (s)",
+            ylabel="mean TTFT (s), median over repeats",
             title=f"{experiment}: TTFT vs rate",
         )
         ax.grid(alpha=0.3)
@@ -260,33 +157,47 @@ def plot_ttft_vs_rate(rows: list[Row], out_dir: Path) -> list[Path]:
     return paths
 
 
+def memory_series(records: list[dict]) -> dict[tuple[str, str], dict[float, tuple[int, list]]]:
+    """Per (experiment, arm) whose records carry `memory_bytes`, per offered rate (0.0 when unknown): the lowest
+    repeat at that rate and its (time, {kind: bytes}) samples in time order. One repeat only: each replay starts
+    its clock at 0, so samples of several repeats on one time axis would interleave."""
+    from eval.live.summary import repeat_of
+
+    series: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for rec in records:
+        extra = rec.get("extra") or {}
+        if extra.get("memory_bytes"):
+            t = extra.get("memory_t_s", rec["arrival_s"] + (rec.get("e2e_s") or 0.0))
+            by_rate = series[(rec["experiment"], rec["arm"])]
+            by_rate[extra.get("request_rate") or 0.0][repeat_of(rec)].append((t, extra["memory_bytes"]))
+    return {
+        key: {
+            rate: (min(by_repeat), sorted(by_repeat[min(by_repeat)], key=lambda p: p[0]))
+            for rate, by_repeat in sorted(by_rate.items())
+        }
+        for key, by_rate in series.items()
+    }
+
+
 def plot_memory(records: list[dict], out_dir: Path) -> list[Path]:
-    """Memory by kind over time for every (experiment, arm) whose records carry `memory_bytes`: one stacked panel
-    per offered request rate (each replay starts its clock at 0)."""
+    """Memory by kind over time (`memory_series`): per (experiment, arm) one stacked panel per offered rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[str, str], dict[float, list[tuple[float, dict]]]] = defaultdict(lambda: defaultdict(list))
-    for rec in records:
-        extra = rec.get("extra") or {}
-        if extra.get("memory_bytes"):
-            t = extra.get("memory_t_s", rec["arrival_s"] + (rec.get("e2e_s") or 0.0))
-            series[(rec["experiment"], rec["arm"])][extra.get("request_rate") or 0.0].append((t, extra["memory_bytes"]))
     paths = []
-    for (experiment, arm), by_rate in series.items():
-        rates = sorted(by_rate)
-        peak = max(sum(m.values()) for points in by_rate.values() for _, m in points)
+    for (experiment, arm), by_rate in memory_series(records).items():
+        peak = max(sum(m.values()) for _, points in by_rate.values() for _, m in points)
         unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
-        kinds = sorted({k for points in by_rate.values() for _, m in points for k in m})
-        fig, axes = plt.subplots(len(rates), 1, figsize=(7, 2.6 * len(rates) + 0.8), squeeze=False, sharex=False)
-        for ax, rate in zip(axes[:, 0], rates):
-            points = sorted(by_rate[rate], key=lambda p: p[0])
+        kinds = sorted({k for _, points in by_rate.values() for _, m in points for k in m})
+        fig, axes = plt.subplots(len(by_rate), 1, figsize=(7, 2.6 * len(by_rate) + 0.8), squeeze=False)
+        for ax, (rate, (repeat, points)) in zip(axes[:, 0], by_rate.items()):
             times = [t for t, _ in points]
             ax.stackplot(times, *[[m.get(k, 0) / scale for _, m in points] for k in kinds], labels=kinds)
+            where = (f" at {rate:.3g} req/s" if rate else "") + f", repeat {repeat}"
             ax.set(xlabel="time (s)", ylabel=f"memory ({unit})",
-                   title=f"{experiment} / {arm}" + (f" at {rate:.3g} req/s" if rate else "") + ": memory by kind")
+                   title=f"{experiment} / {arm}{where}: memory by kind")
             ax.legend(loc="upper left", fontsize="small")
         path = out_dir / f"memory_{experiment}_{arm.replace(':', '_')}.png"
         fig.tight_layout()
@@ -304,14 +215,15 @@ def write_report(
     title: str = "Results",
     setup: str = "",
 ) -> tuple[Path, list[Path]]:
-    """Writes report.md (title, the `setup` Markdown if any, tables, plots) and the PNGs into out_dir; returns their
-    paths."""
+    """Writes report.md (title, the `setup` Markdown if any, tables, plots, the bench_serving table if out_dir has
+    its files) and the PNGs into out_dir; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = summarize(records)
-    pngs = plot_ttft_vs_rate(rows, out_dir) + plot_memory(records, out_dir)
-    text = f"# {title}\n\n" + (setup.rstrip("\n") + "\n\n" if setup else "") + markdown(rows, baselines, slo_s)
-    text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    summaries = summarize(records)
+    pngs = plot_ttft_vs_rate(summaries, out_dir) + plot_memory(records, out_dir)
+    text = f"# {title}\n\n" + (setup.rstrip("\n") + "\n\n" if setup else "")
+    text += markdown(summaries, baselines, slo_s)
+    text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n" + bench_serving_table(out_dir)
     md = out_dir / "report.md"
     md.write_text(text)
     return md, pngs

@@ -1,9 +1,10 @@
 """A small live run of every workload against one real CPU server (ours, with the bundled adapters).
 
 The six workloads run at once against the same server (a handful of short requests each): the chatbot through the
-one-command harness with a second arm whose address answers nothing, the others through the driver. Checks: every
-request completes with the planned output length, follow-up turns and aLoRA checks hit the prefix cache, and the
-unreachable arm stops the run with its address while the results recorded so far stay in the file.
+one-command harness (default 3 repeats) with a second arm whose address answers nothing, the others through the
+driver. Checks: every request completes with the planned output length, follow-up turns and aLoRA checks hit the
+prefix cache, and the unreachable arm stops the run with its address while the results recorded so far (tagged
+with their repeat) stay in the file.
 """
 
 from __future__ import annotations
@@ -159,6 +160,11 @@ def test_every_workload_runs_live(server, adapters_dir, tmp_path, capsys):
 
     assert f"cannot reach the server for arm 'stock' at {dead}" in capsys.readouterr().out
     assert (chat_dir / "report.md").is_file() and (chat_dir / "ttft_vs_rate_chatbot.png").is_file()
+    # repeat 0 runs ours, then the dead stock arm stops the run before repeat 1: every record is of repeat 0
+    chat_records = by_rid(paths["chatbot"]).values()
+    assert {r["extra"]["repeat"] for r in chat_records} == {0}
+    assert all(len(r["extra"]["load_avg"]) == 3 for r in chat_records)
+    assert "- protocol: 3 repeats" in (chat_dir / "report.md").read_text()
     for name, w in workloads.items():
         results = by_rid(paths[name])
         assert set(results) == {r.rid for r in w.requests}, name

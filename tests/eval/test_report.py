@@ -7,7 +7,15 @@ import statistics
 
 import pytest
 
-from eval.live.report import load_results, peak_load, ratios, summarize, write_report
+from eval.live.report import (
+    Spread,
+    load_results,
+    memory_series,
+    peak_load,
+    ratios,
+    summarize,
+    write_report,
+)
 from eval.workloads.records import RequestResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,7 +52,9 @@ def results(tmp_path):
 
 
 def test_summary_figures_match_hand_computed_values(tmp_path):
-    rows = summarize(load_results([results(tmp_path)]))
+    summaries = summarize(load_results([results(tmp_path)]))
+    assert [s.num_repeats for s in summaries] == [1] * 6, "records without a repeat field: one repeat"
+    rows = [s.rows[0] for s in summaries]
     assert [(r.arm, r.rate, r.num, r.num_errors) for r in rows] == [
         ("ours", 1.0, 10, 0),
         ("ours", 2.0, 10, 0),
@@ -64,10 +74,11 @@ def test_summary_figures_match_hand_computed_values(tmp_path):
     assert ours1.prefix_hit_by_kind == {"lora": pytest.approx(0.4)}
     assert rows[3].prefix_hit_by_kind == {"lora": 0.0}
     # mean TTFT: ours 0.145 / 0.345 / 0.945, stock 0.29 / 0.69 / 1.89 -> under a 0.5 s SLO ours holds 2 req/s
-    assert peak_load(rows, 0.5) == {("chatbot", "ours"): 2.0, ("chatbot", "stock"): 1.0}
-    table = {(t["rate"], t["arm"]): t for t in ratios(rows, ["stock"])}
+    assert peak_load(summaries, 0.5) == {("chatbot", "ours"): 2.0, ("chatbot", "stock"): 1.0}
+    table = {(t["rate"], t["arm"]): t for t in ratios(summaries, ["stock"])}
     assert set(table) == {(1.0, "ours"), (2.0, "ours"), (4.0, "ours")}
-    assert table[(2.0, "ours")]["ttft_mean"] == pytest.approx(0.345 / 0.69)
+    ratio = table[(2.0, "ours")]["ttft_mean"]
+    assert ratio.num == 1 and ratio.median == ratio.low == ratio.high == pytest.approx(0.345 / 0.69)
 
 
 def test_report_writes_markdown_and_pngs(tmp_path):
@@ -91,11 +102,12 @@ def test_report_writes_markdown_and_pngs(tmp_path):
         )
     md, pngs = write_report(recs, tmp_path / "out", ["stock"], slo_s=0.5)
     text = md.read_text()
-    assert "| chatbot | ours | 1 | 10 | 0 | 145 / 145 / 189 |" in text
-    assert "| chatbot | stock | 4 | 11 | 1 |" in text
+    # one repeat: plain values, no (min-max)
+    assert "| chatbot | ours | 1 | 1 | 10 | 0 | 145 / 145 / 189 |" in text
+    assert "| chatbot | stock | 4 | 1 | 11 | 1 |" in text
     assert "| chatbot | ours | 2 |" in text.split("Peak load")[1]
     assert "kv 50%, lora 100%" in text and "kv 2048, lora 3072" in text
-    assert "| chatbot | 2 | ours | stock | 0.50x |" in text
+    assert "| chatbot | 2 | ours | stock | 1 | 0.50x |" in text
     names = sorted(p.name for p in pngs)
     assert names == ["memory_chatbot_sim_elora.png", "ttft_vs_rate_chatbot.png"]
     for p in pngs:
@@ -107,3 +119,68 @@ def test_bad_results_line_is_named(tmp_path):
     path.write_text(json.dumps(record("ours", 1.0, 0.1, 0)) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"r.jsonl:2: not a RequestResult record"):
         load_results([path])
+
+
+# Three repeats, arms interleaved as the harness runs them; every request of a replay has the same TTFT, so each
+# replay's mean, P50 and P99 TTFT are that value. Per-repeat ratios ours / stock: 0.25, 0.6, 0.8 (median 0.6);
+# the ratio of the medians (0.2 / 0.4 = 0.5) or of pooled means (0.2 / 0.3833) would differ.
+OURS_TTFT = (0.10, 0.30, 0.20)
+STOCK_TTFT = (0.40, 0.50, 0.25)
+
+
+def repeated_records(num_per_replay: int = 4) -> list[dict]:
+    recs = []
+    for rep, (ours, stock) in enumerate(zip(OURS_TTFT, STOCK_TTFT)):
+        order = [("ours", ours), ("stock", stock)][:: 1 if rep % 2 == 0 else -1]
+        for arm, ttft in order:
+            recs += [record(arm, 1.0, ttft, i, repeat=rep) for i in range(num_per_replay)]
+    return recs
+
+
+def test_repeats_give_medians_and_per_repeat_ratio_spread(tmp_path):
+    summaries = summarize(repeated_records())
+    assert [(s.arm, s.num_repeats, s.num) for s in summaries] == [("ours", 3, 12), ("stock", 3, 12)]
+    ours, stock = summaries
+    assert [r.repeat for r in ours.rows] == [0, 1, 2]
+    assert ours.spread("ttft_mean") == Spread(0.2, 0.1, 0.3, 3)
+    assert stock.spread("ttft_p99") == Spread(0.4, 0.25, 0.5, 3)
+    (ratio,) = ratios(summaries, ["stock"])
+    assert ratio["num_repeats"] == 3
+    assert ratio["ttft_mean"] == Spread(pytest.approx(0.6), pytest.approx(0.25), pytest.approx(0.8), 3)
+    # the peak load goes by the median: stock's best repeat (0.25 s) is under 0.3 s, its median (0.4 s) is not
+    assert peak_load(summaries, 0.3) == {("chatbot", "ours"): 1.0, ("chatbot", "stock"): None}
+
+    md, pngs = write_report(repeated_records(), tmp_path, ["stock"], slo_s=0.5)
+    text = md.read_text()
+    assert "| chatbot | ours | 1 | 3 | 12 | 0 | 200 (100-300) / 200 (100-300) / 200 (100-300) |" in text
+    assert "| chatbot | stock | 1 | 3 | 12 | 0 | 400 (250-500) /" in text
+    assert "| 20.0 (10.0-30.0) / 20.0 (10.0-30.0) | lora 40% (40-40%) |" in text  # TPOT = TTFT / 10
+    assert "| chatbot | 1 | ours | stock | 3 | 0.60x (0.25-0.80x) | 0.60x (0.25-0.80x) |" in text
+    assert [p.name for p in pngs] == ["ttft_vs_rate_chatbot.png"]
+    assert pngs[0].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ratios_use_only_repeats_both_arms_ran():
+    """A run stopped early (the baseline unreachable in repeat 3) leaves ours with a repeat stock lacks."""
+    recs = repeated_records(2) + [record("ours", 1.0, 5.0, i, repeat=3) for i in range(2)]
+    ours, stock = summarize(recs)
+    assert ours.num_repeats == 4 and stock.num_repeats == 3
+    assert ours.spread("ttft_mean") == Spread(pytest.approx(0.25), 0.1, 5.0, 4)
+    (ratio,) = ratios([ours, stock], ["stock"])
+    assert ratio["num_repeats"] == 3 and ratio["ttft_mean"].high == pytest.approx(0.8)
+
+
+def test_memory_plot_takes_one_repeat_per_rate(tmp_path):
+    """Replays of several repeats on one time axis would interleave: the plot shows the lowest repeat only."""
+    recs = [
+        record("ours", 1.0, 0.1, i, repeat=rep, memory_bytes={"kv": 2**20 * (rep + i)}, memory_t_s=float(2 - i))
+        for rep in (2, 1)
+        for i in range(3)
+    ]
+    series = memory_series(recs)
+    assert series == {("chatbot", "ours"): {1.0: (1, [(0.0, {"kv": 3 * 2**20}), (1.0, {"kv": 2 * 2**20}),
+                                                       (2.0, {"kv": 2**20})])}}
+    md, pngs = write_report(recs, tmp_path, ["stock"])
+    assert sorted(p.name for p in pngs) == ["memory_chatbot_ours.png", "ttft_vs_rate_chatbot.png"]
+    # the table's peak memory is per repeat: repeat 1 peaks at 3 MiB, repeat 2 at 4 MiB
+    assert "| kv 4 (3-4) |" in md.read_text()
