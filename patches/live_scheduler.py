@@ -101,7 +101,7 @@ class LiveScheduler:
     def after_pass(self, admitted_rids: set[str]) -> None:
         for rid in self._planned_order:
             if rid not in admitted_rids and rid in self.mq.running:
-                self.mq.requeue(rid)
+                self.mq.requeue(rid, pushed_back=True)
                 self.num_requeued += 1
         self.planned, self._planned_order = None, []
 

@@ -14,7 +14,10 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   tokens exceed the total).
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
   queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
-  promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted.
+  promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted. A
+  planned request the engine then does not take (`requeue(pushed_back=True)`) counts the same way
+  when it heads its queue: engines have limits of their own (running-request caps, prefill
+  backlog) that no token budget expresses.
 Starvation bound (tested under adversarial arrivals in tests/unit/test_sched_starvation.py):
 within one refresh period, let r head its queue with its adapter resident, and let the queue's
 available quota cover r's cost (or nothing of the queue run). Nothing else can take that quota
@@ -62,7 +65,8 @@ class MultiQueueScheduler:
         self._num_batches = 0
         self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
-        self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0}
+        self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
+                       "pushed_back": 0}
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -100,15 +104,28 @@ class MultiQueueScheduler:
             self.predictor.observe(r.adapter, r.in_len, out_len, r.pred_out_len)
         return r
 
-    def requeue(self, rid: str, squash: bool = False) -> SchedRequest:
-        """A running request goes back to its arrival position (squashed, or retracted by the
-        engine) and its tokens return. Raises KeyError if it is not running."""
+    def requeue(self, rid: str, squash: bool = False, pushed_back: bool = False) -> SchedRequest:
+        """A running request goes back to its arrival position (squashed, retracted by the engine,
+        or `pushed_back`: planned by the last `build_batch` but not taken by the engine, whose own
+        limits, such as a cap on running requests, the plan does not see) and its tokens return.
+        A request heading its queue that has been pushed back `max_budget_skips` times gets its
+        queue promoted as a budget stop would, at every push-back until the engine takes it (the
+        starvation bound holds whatever the engine's limits). Raises KeyError if it is not
+        running."""
         r = self._pop_running(rid)
         r.admitted_at = None
         if squash:
             r.num_squashes += 1
             self.counts["squashes"] += 1
-        self.queues.push_in_order(r, self.plan.route(r.wrs))
+        q = self.plan.route(r.wrs)
+        self.queues.push_in_order(r, q)
+        if pushed_back:
+            self.counts["pushed_back"] += 1
+            r.num_pushbacks += 1
+            if self.queues.head(q) is r and r.num_pushbacks >= self.config.max_budget_skips:
+                # planning it cleared its skip record (`_start`): the count lives on the request
+                self._budget_skips[q] = (r.rid, r.num_pushbacks)
+                self._promoted.setdefault(q, self._num_batches)
         return r
 
     def _pop_running(self, rid: str) -> SchedRequest:

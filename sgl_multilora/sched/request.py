@@ -44,6 +44,8 @@ class SchedRequest:
     """(queue, tokens) pairs this request holds while it runs: its own queue, and the queues
     whose spare tokens it borrowed in phase 2. Sums to `cost_tokens` while running."""
     num_squashes: int = 0
+    num_pushbacks: int = 0
+    """Times the engine did not take this request after a batch planned it."""
 
     def __repr__(self) -> str:
         return (f"SchedRequest({self.rid!r}, adapter={self.adapter!r}, in={self.in_len}, "

@@ -137,3 +137,28 @@ def test_tiny_bursts_cannot_starve_a_large_request_under_a_tight_budget():
             break
         s.check_invariants()
     assert admitted_at == SKIPS  # skipped SKIPS times, then its queue went first
+
+
+def test_engine_pushbacks_cannot_starve_a_large_request():
+    """The engine takes at most 4 planned requests per batch, in plan order (a running-request cap
+    the token budget does not express), and pushes the rest back. Tiny requests fill the small
+    queue's plan every batch, so without counting push-backs the large one (planned after them,
+    from a larger queue) would be pushed back forever; counted, its queue is promoted."""
+    s = make(PLANS[0])
+    s.add(request("large", 900))
+    admitted_at = None
+    for it in range(20):
+        for rid in list(s.running):
+            s.on_finish(rid, float(it))  # everything taken lasts one batch
+        for j in range(6):
+            s.add(request(f"{it}.{j}", 40))
+        plan = s.build_batch(float(it))
+        taken, pushed = plan[:4], plan[4:]
+        for r in pushed:
+            s.requeue(r.rid, pushed_back=True)
+        s.check_invariants()
+        if "large" in {r.rid for r in taken}:
+            admitted_at = it
+            break
+    assert admitted_at == SKIPS, admitted_at  # pushed back SKIPS times, then its queue went first
+    assert s.counts["pushed_back"] >= SKIPS
