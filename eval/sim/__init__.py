@@ -2,9 +2,10 @@
 
 Lives here: the latency model (`latency.py`), memory accounting (`memory.py`), ELORA's host KV tier
 (`hostkv.py`), token sequences of a workload (`tokens.py`), the event loop with continuous batching
-(`engine.py`), the compared systems (`systems/`) and the ELORA-style experiment (`compare.py`). The
-systems drive the project's own core objects (`sgl_multilora.tree.LoraRadixTree`, `sgl_multilora.policy`);
-nothing here imports sglang.
+(`engine.py`), the compared systems (`systems/`), admission policies (`admission/`: fcfs, lpm and the real
+`sgl_multilora.sched.MultiQueueScheduler`), the ELORA-style experiment (`compare.py`) and Chameleon's scheduling
+comparison (`sched_compare.py`). The systems drive the project's own core objects
+(`sgl_multilora.tree.LoraRadixTree`, `sgl_multilora.policy`); nothing here imports sglang.
 
 Entry point for other tools: `eval.sim.engine.simulate(arm, adapters, requests, experiment=...)` returns a
 `SimRun` whose `results` are `RequestResult`s (extra["simulated"] is True) and whose `samples` are memory by

@@ -1,15 +1,16 @@
 """The event loop: continuous batching with chunked prefill over a simulated system, one step at a time.
 
 Lives here: `SimConfig`, `SimRun` (results + memory samples + summary) and `simulate`. Not here: the systems'
-memory and cache decisions (`systems/`) or step costs (`latency.py`).
+memory and cache decisions (`systems/`), the order waiting requests are examined in (`admission/`) or step costs
+(`latency.py`).
 
 Each step: copies that finished complete; requests that arrived join the waiting queue (a follow-up turn waits
-for its parent's reply, as a real client must); waiting requests are admitted first come, first served (one
-that waits for its adapter or a slot lets the next go; one that lacks KV memory stops admission); the batch is
-the prefill chunks (at most `chunk_tokens` per step) plus one decode token per decoding request; the clock
-advances by the latency model's step time. A request whose reused KV is still being copied in from a host KV
-tier (`SimRequest.ready_s`) is admitted but prefills only once the copy is done. When nothing can run, the clock
-jumps to the next arrival or copy.
+for its parent's reply, as a real client must); waiting requests are admitted in the admission policy's order
+(`SimConfig.admission`, fcfs by default: one that waits for its adapter or a slot lets the next go; one that lacks
+KV memory stops admission); the batch is the prefill chunks (at most `chunk_tokens` per step) plus one decode
+token per decoding request; the clock advances by the latency model's step time. A request whose reused KV is
+still being copied in from a host KV tier (`SimRequest.ready_s`) is admitted but prefills only once the copy is
+done. When nothing can run, the clock jumps to the next arrival or copy.
 Every admitted request reserves KV for its whole prompt and output, so no request is ever preempted.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eval.sim.admission import BaseAdmission, create_admission
 from eval.sim.latency import LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.systems import create_system
@@ -43,6 +45,8 @@ class SimConfig:
     check_every_step: bool = False
     pool_bytes: int | None = None  # default: memory.pool_bytes(latency model)
     host_kv_bytes: int | None = None  # host KV tier of the systems with one; None: hostkv.HOST_KV_BYTES, 0: off
+    admission: str = "fcfs"  # admission policy: fcfs, lpm or multiqueue (eval/sim/admission/)
+    ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
 
 
 @dataclass
@@ -52,6 +56,7 @@ class SimRun:
     samples: list[dict]
     summary: dict = field(default_factory=dict)
     system: BaseSystem | None = None  # the system at the end of the run (tests inspect it)
+    admission: BaseAdmission | None = None  # the admission policy at the end of the run (tests inspect it)
 
 
 def _sim_requests(adapters: tuple[AdapterInfo, ...], requests: tuple[Request, ...],
@@ -89,6 +94,7 @@ class _Loop:
     def __init__(self, system: BaseSystem, reqs: list[SimRequest], lat: LatencyModel, config: SimConfig,
                  experiment: str) -> None:
         self.system, self.lat, self.cfg, self.experiment = system, lat, config, experiment
+        self.admission = create_admission(config.admission, system, lat, config, reqs)
         self.children: dict[str, list[SimRequest]] = {}
         self.arrivals: list[tuple[float, int, SimRequest]] = []
         for i, sr in enumerate(reqs):
@@ -123,6 +129,7 @@ class _Loop:
                 sr = heapq.heappop(self.arrivals)[2]
                 system.submit(sr)
                 self.waiting.append(sr)
+                self.admission.on_arrival(sr, now)
             self._admit(now)
             if now >= next_sample:
                 self.samples.append({"t_s": now, **system.sample()})
@@ -146,29 +153,32 @@ class _Loop:
             if self.cfg.check_every_step:
                 system.check_invariants()
                 self._check_aggregates()
+                self.admission.check_invariants(self.waiting)
         return SimRun(system.name, [self._result(sr) for sr in self.done], self.samples, self._summary(),
-                      system)
+                      system, self.admission)
 
     def _admit(self, now: float) -> None:
-        cfg, system = self.cfg, self.system
+        cfg, system, policy = self.cfg, self.system, self.admission
         backlog = sum(len(sr.prompt) - sr.computed for sr in self.prefilling)
-        kept: list[SimRequest] = []
-        for i, sr in enumerate(self.waiting):
-            if i >= cfg.scan_limit or self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
-                kept.extend(self.waiting[i:])
+        if not self.waiting or self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
+            return  # this pass could admit nothing
+        admitted: set[SimRequest] = set()
+        for i, sr in enumerate(policy.candidates(self.waiting, now, backlog)):
+            if (i >= cfg.scan_limit or self.num_running >= cfg.max_running
+                    or (policy.checks_backlog and backlog >= cfg.chunk_tokens)):
                 break
             status = system.try_admit(sr)
             if status is Admit.OK:
                 sr.admit_s = now
                 sr.computed = sr.cached
                 self.prefilling.append(sr)
+                admitted.add(sr)
                 backlog += len(sr.prompt) - sr.cached
             elif status is Admit.NO_MEMORY:
-                kept.extend(self.waiting[i:])
                 break
-            else:
-                kept.append(sr)
-        self.waiting = kept
+        policy.after_pass(admitted, now)
+        if admitted:
+            self.waiting = [sr for sr in self.waiting if sr not in admitted]
 
     def _step(self) -> tuple[float, list[tuple[SimRequest, int]]]:
         budget = self.cfg.chunk_tokens
@@ -221,6 +231,7 @@ class _Loop:
             sr.generated = len(sr.output)
             sr.finish_s = now
             self.system.finish(sr)
+            self.admission.on_finish(sr, now)
             self.done.append(sr)
             for child in self.children.pop(sr.req.rid, ()):
                 child.submit_s = max(child.req.arrival_s, now)

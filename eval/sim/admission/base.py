@@ -1,0 +1,52 @@
+"""What every admission policy answers the engine: which waiting requests one admission pass examines, in order.
+
+Lives here: `BaseAdmission`, the interface (and FCFS's behaviour, which the others refine). Not here: the pass
+itself (engine.py asks the system whether each candidate fits and stops on its limits), memory or the policies
+(one file each).
+
+Per step the engine (1) tells the policy about arrivals (`on_arrival`), (2) when it could admit anything at all
+(a waiting request, a free running slot, less than a chunk of prefill backlog), asks for `candidates` and walks
+them in order: a request the system admits starts prefilling, one waiting for its adapter or a slot is passed
+over, one lacking KV memory ends the pass; (3) reports the admitted set (`after_pass`); (4) reports every finished
+request (`on_finish`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eval.sim.engine import SimConfig
+    from eval.sim.latency import LatencyModel
+    from eval.sim.systems.base import BaseSystem
+    from eval.sim.systems.request import SimRequest
+
+
+class BaseAdmission:
+    """`checks_backlog`: the engine also ends the pass once the prefill backlog reaches a chunk (FCFS and LPM, as
+    SGLang's PrefillAdder stops at its chunked-prefill budget); a policy that sizes its own pass says False."""
+
+    name = "base"
+    checks_backlog = True
+
+    def __init__(self, system: BaseSystem, lat: LatencyModel, config: SimConfig,
+                 requests: list[SimRequest]) -> None:
+        self.system, self.lat, self.cfg = system, lat, config
+
+    def on_arrival(self, sr: SimRequest, now: float) -> None:
+        """`sr` joined the waiting list (appended at its end)."""
+
+    def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
+        """The waiting requests this pass examines, in order (FCFS: all of them, oldest first). May reorder
+        `waiting` in place (SGLang sorts its waiting queue in place). `backlog`: prefill tokens admitted but not
+        yet computed."""
+        return waiting
+
+    def after_pass(self, admitted: set[SimRequest], now: float) -> None:
+        """The pass admitted `admitted` (they left the waiting list)."""
+
+    def on_finish(self, sr: SimRequest, now: float) -> None:
+        """`sr` produced its last token."""
+
+    def check_invariants(self, waiting: list[SimRequest]) -> None:
+        """The policy's state agrees with the engine's waiting list."""

@@ -1,0 +1,99 @@
+"""The project's multi-queue scheduler (Chameleon) as the simulator's admission policy: the real
+`sgl_multilora.sched.MultiQueueScheduler`, not a copy, driven the way `patches/live_scheduler.py` drives it live.
+
+Lives here: `MultiQueueAdmission`, the simulator's owner of one `MultiQueueScheduler` (one `SchedRequest` per
+simulated request, by rid). Not here: queues, WRS, quotas, predictor and bypass rules (`sgl_multilora/sched/`),
+the pass (engine.py) or memory (the system answers the residency and prefetch callbacks).
+
+As live: a request is priced and queued on arrival (rank = its adapter's, 0 for the base model; adapter_tokens 0,
+since the pool charges an adapter once, not per request; max_new_tokens = its output length, which the live
+driver sends too, so the prediction is capped by the true length); each pass calls `build_batch(now, budget,
+is_resident, prefetch)`; what the engine did not admit after all is re-queued at its arrival position; a finished
+request returns its quota and teaches the predictor its output length. Squashes are not applied (as live).
+Choices of the simulator, each a departure from the live hook:
+- the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
+  SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
+  queue);
+- the budget is what the engine can take this pass: the KV it can give (free + evictable, as live) and at most
+  one chunk of prefill backlog (chunk_tokens - backlog) plus the largest request's cost, in cost tokens. The
+  engine then applies no backlog limit of its own, so a pass re-queues almost nothing (a re-queue costs
+  O(queue length) in `QueueSet.push_in_order`). The extra largest cost keeps every budget above every cost: the
+  premise of the scheduler's starvation bound (sgl_multilora/sched/multiqueue.py).
+- the scheduler's timing model (T_exec, and D before a queue has finished requests) takes the latency model's
+  figures: prefill at its large-batch rate, decode at one adapter request's step time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from eval.sim.admission.base import BaseAdmission
+from sgl_multilora.sched import (
+    MultiQueueScheduler,
+    SchedConfig,
+    SchedRequest,
+    TimingModel,
+    WrsNormalizer,
+)
+
+if TYPE_CHECKING:
+    from eval.sim.systems.request import SimRequest
+
+
+class MultiQueueAdmission(BaseAdmission):
+    name = "multiqueue"
+    checks_backlog = False
+
+    def __init__(self, system, lat, config, requests) -> None:
+        super().__init__(system, lat, config, requests)
+        max_rank = max((a.rank for a in system.adapters.values()), default=0) or 64
+        timing = TimingModel(prefill_s_per_token=lat.recompute_s_per_token(),
+                             decode_s_per_token=lat.step_time(0, 0, 1, 0, 1, 0))
+        sched_config = SchedConfig(total_tokens=system.kv_pool.num_slots, ttft_slo_s=config.ttft_slo_s,
+                                   initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
+                                                              max_rank=max_rank),
+                                   timing=timing)
+        self.mq = MultiQueueScheduler(sched_config)
+        self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
+        self.by_rid: dict[str, SimRequest] = {}
+        self.planned: list[SimRequest] = []
+        self.num_passes = 0
+        self.num_requeued = 0
+
+    def on_arrival(self, sr: SimRequest, now: float) -> None:
+        name = sr.req.adapter
+        rank = 0 if name is None else self.system.adapters[name].rank
+        self.by_rid[sr.req.rid] = sr
+        self.mq.add(SchedRequest(sr.req.rid, name, len(sr.prompt), rank=rank, adapter_tokens=0,
+                                 max_new_tokens=len(sr.output), arrival=sr.submit_s))
+
+    def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
+        system = self.system
+        kv_room = system.kv_pool.num_free + (system.tree.evictable_len() if system.tree is not None else 0)
+        budget = max(0, min(kv_room, self.cfg.chunk_tokens - backlog + self.max_cost))
+        batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch)
+        self.num_passes += 1
+        self.planned = [self.by_rid[r.rid] for r in batch]
+        return self.planned
+
+    def _prefetch(self, name: str) -> bool:
+        """True if `name` is loading or a load started now; False if no room can be made for it now."""
+        res = self.system.residency
+        return res.is_loading(name) or res.is_resident(name) or self.system.start_load(name)
+
+    def after_pass(self, admitted: set[SimRequest], now: float) -> None:
+        for sr in self.planned:
+            if sr not in admitted:
+                self.mq.requeue(sr.req.rid, pushed_back=True)
+                self.num_requeued += 1
+        self.planned = []
+
+    def on_finish(self, sr: SimRequest, now: float) -> None:
+        self.mq.on_finish(sr.req.rid, now, len(sr.output))
+        del self.by_rid[sr.req.rid]
+
+    def check_invariants(self, waiting: list[SimRequest]) -> None:
+        self.mq.check_invariants()
+        queued = {r.rid for q in range(self.mq.queues.num_queues) for r in self.mq.queues.scan(q)}
+        assert queued == {sr.req.rid for sr in waiting}, "scheduler queues and the engine's waiting list differ"
+        assert set(self.mq.running) | queued == set(self.by_rid), "a request left the scheduler unfinished"
