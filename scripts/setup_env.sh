@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: GPU found: ordinary install (sglang==0.5.23 with its dependencies)"
-  $PIP install -e ".[test]"
+  $PIP install -e ".[test]" "$(grep '^smg==' requirements/cpu.lock)"  # smg: the router (sgl_multilora.cluster)
 else
   echo "setup: no GPU: CPU install (torch 2.13.0+cpu, sglang 0.5.23 --no-deps, pinned pure-Python deps)"
   echo "torch==2.13.0" > "$VENV/constraints.txt"

@@ -1,0 +1,80 @@
+"""`python -m sgl_multilora.cluster --workers N --router-port P --policy POLICY [-- <launch_server args>]`:
+N plugin workers on ports P+1..P+N behind SGLang's router `smg` on port P, until Ctrl-C or SIGTERM
+(sgl_multilora/cluster/launch.py does the work)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from sgl_multilora.cluster.launch import POLICIES, RESERVED_WORKER_FLAGS, Cluster, ClusterError
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, worker_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_multilora.cluster",
+        description="Start N SGLang workers (with the sgl_multilora plugin) behind the smg router. Everything "
+                    "after `--` is passed to every `python -m sglang.launch_server` (--model-path included; "
+                    "--host and --port are set per worker).",
+        epilog="example: python -m sgl_multilora.cluster --workers 2 --router-port 30000 --policy cache_aware -- "
+               "--model-path M --enable-lora --lora-paths caps=assets/adapters/caps --device cpu ...")
+    parser.add_argument("--workers", type=int, required=True, help="number of workers")
+    parser.add_argument("--router-port", type=int, default=30000,
+                        help="the router's port; workers listen on the next N ports (default: 30000)")
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="smg routing policy")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
+    parser.add_argument("--log-dir", default=None, help="worker<i>.log and router.log (default: a temp dir)")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `smg launch` argument (repeat, e.g. --router-arg=--cache-threshold "
+                             "--router-arg=0.5)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
+    args = parser.parse_args(own)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if not 0 < args.router_port <= 65535 - args.workers:
+        parser.error(f"--router-port {args.router_port} leaves no room for {args.workers} worker ports above it")
+    if "--model-path" not in worker_args:
+        parser.error("pass the worker flags after `--`, including --model-path")
+    for flag in RESERVED_WORKER_FLAGS:
+        if flag in worker_args:
+            parser.error(f"{flag} is set per worker by the launcher; leave it out of the worker flags")
+    return args, worker_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_args = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def stop_on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python keeps that
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_on_signal)
+    cluster = Cluster(args.workers, worker_args, policy=args.policy, router_port=args.router_port, host=args.host,
+                      router_args=args.router_arg, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout)
+    try:
+        print(f"starting {args.workers} workers (logs in {cluster.log_dir}) ...", flush=True)
+        with cluster:
+            print(f"router  {cluster.router_url}  (policy {args.policy}, metrics {cluster.metrics_url})")
+            for url in cluster.worker_urls:
+                print(f"worker  {url}")
+            print("Ctrl-C stops the cluster", flush=True)
+            while not cluster.exited():
+                time.sleep(1.0)
+            handle = cluster.exited()[0]
+            print(f"error: {handle.url} exited with code {handle.process.returncode}; log {handle.log_path}:\n"
+                  f"{handle.log_tail()}", file=sys.stderr)
+            return 1
+    except ClusterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""N SGLang workers with the plugin behind SGLang's router, `smg` (PyPI `smg`, formerly `sglang-router`).
+
+Lives here: starting N `python -m sglang.launch_server` workers (the plugin loads through its entry point as in
+any server), waiting until each answers `/health_generate`, starting `smg launch` in front of them with a routing
+policy, and stopping the whole lot (each in its own process group, SIGTERM then SIGKILL, and every process also
+follows its launcher's death). `Cluster` is the Python API (a context manager); `python -m sgl_multilora.cluster`
+is the command line. Not here: placement of adapters or KV across workers (MELL's packing lives in the other
+modules of this package; smg's own policies route here), and anything that imports SGLang or smg.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Self
+
+from sgl_multilora.server import ServerHandle, ServerStartError, _stop_with_parent, free_port
+
+SMG_VERSION = "1.13.0"  # the router version this launcher is checked against (requirements/cpu.lock pins it)
+# `smg launch --policy` choices of smg 1.13.0 (`passthrough` and the PD-only `bucket` left out).
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
+            "prefix_hash", "manual")
+# Flags the launcher sets itself on every worker.
+RESERVED_WORKER_FLAGS = ("--host", "--port")
+
+
+class ClusterError(ServerStartError):
+    """A worker or the router did not start; the message ends with the tail of its log."""
+
+
+def smg_available() -> bool:
+    return importlib.util.find_spec("smg") is not None
+
+
+def _ready(url: str, timeout_s: float = 30.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def _spawn(command: list[str], log_path: Path, url: str, env: dict[str, str] | None = None) -> ServerHandle:
+    """Starts `command` in a new process group (stopped with its launcher on Linux); does not wait."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_stop_with_parent if sys.platform.startswith("linux") else None,
+        )
+    return ServerHandle(url=url, process=process, log_path=log_path, command=command)
+
+
+class Cluster:
+    """`num_workers` workers started with `worker_args` (which must include `--model-path`; `--host`/`--port`
+    are set here) behind smg with `policy`. With `router_port` P the workers listen on P+1..P+N, without it on
+    free ports. Use as a context manager: `with Cluster(2, args) as c: requests.post(c.router_url + ...)`.
+    `router_args` go to `smg launch` after the launcher's own flags (so they override them)."""
+
+    def __init__(self, num_workers: int, worker_args: Sequence[str], *, policy: str = "cache_aware",
+                 router_port: int | None = None, host: str = "127.0.0.1", router_args: Sequence[str] = (),
+                 log_dir: str | os.PathLike | None = None, ready_timeout_s: float = 600.0,
+                 env: dict[str, str] | None = None, python: str = sys.executable):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if "--model-path" not in worker_args:
+            raise ValueError("worker_args must include --model-path")
+        reserved = [flag for flag in RESERVED_WORKER_FLAGS if flag in worker_args]
+        if reserved:
+            raise ValueError(f"{' and '.join(reserved)} are set per worker by the launcher; leave them out")
+        self.num_workers, self.worker_args, self.policy = num_workers, list(worker_args), policy
+        self.host, self.router_args, self.ready_timeout_s = host, list(router_args), ready_timeout_s
+        self.env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        self.python = python
+        self.router_port = router_port or free_port()
+        self.worker_ports = ([self.router_port + 1 + i for i in range(num_workers)] if router_port
+                             else [free_port() for _ in range(num_workers)])
+        self.metrics_port = free_port()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl_multilora_cluster_"))
+        self.workers: list[ServerHandle] = []
+        self.router: ServerHandle | None = None
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.worker_ports]
+
+    @property
+    def metrics_url(self) -> str:
+        """smg's Prometheus endpoint (its own listener, not on the router port)."""
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def router_command(self) -> list[str]:
+        return [self.python, "-m", "smg", "launch", "--host", self.host, "--port", str(self.router_port),
+                "--worker-urls", *self.worker_urls, "--policy", self.policy,
+                "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
+                # smg drains in-flight requests for 180 s on SIGTERM by default; our stop waits 30 s at most
+                "--shutdown-grace-period-secs", "5", "--log-level", "warn", *self.router_args]
+
+    def start(self) -> Self:
+        if not smg_available():
+            raise ClusterError(f"the router `smg` is not installed in {self.python}; "
+                               f"install it with `pip install smg=={SMG_VERSION}`")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i, (port, url) in enumerate(zip(self.worker_ports, self.worker_urls)):
+                command = [self.python, "-m", "sglang.launch_server", *self.worker_args,
+                           "--host", self.host, "--port", str(port)]
+                self.workers.append(_spawn(command, self.log_dir / f"worker{i}.log", url, self.env))
+            self._wait(self.workers, "/health_generate", "worker")
+            self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
+            self._wait([self.router], "/readiness", "router")
+            self._wait_registered()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, handles: list[ServerHandle], path: str, what: str) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = list(handles)
+        while pending:
+            for handle in list(pending):
+                if not handle.alive():
+                    raise ClusterError(f"{what} {handle.url} exited with code {handle.process.returncode} during "
+                                       f"start-up; log {handle.log_path}:\n{handle.log_tail()}")
+                if _ready(handle.url + path):
+                    pending.remove(handle)
+            if pending and time.monotonic() > deadline:
+                handle = pending[0]
+                raise ClusterError(f"{what} {handle.url} not ready after {self.ready_timeout_s:.0f} s; "
+                                   f"log {handle.log_path}:\n{handle.log_tail()}")
+            if pending:
+                time.sleep(1.0)
+
+    def _wait_registered(self) -> None:
+        """Until smg lists every worker as ready (it registers them in the background after it listens)."""
+        deadline = time.monotonic() + 120.0
+        while True:
+            try:
+                with urllib.request.urlopen(self.router_url + "/workers", timeout=10) as response:
+                    workers = json.loads(response.read())["workers"]
+                if sum(w.get("status") == "ready" for w in workers) >= self.num_workers:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, KeyError, ValueError):
+                pass
+            if not self.router.alive() or time.monotonic() > deadline:
+                raise ClusterError(f"router did not register the {self.num_workers} workers; "
+                                   f"log {self.router.log_path}:\n{self.router.log_tail()}")
+            time.sleep(0.5)
+
+    def exited(self) -> list[ServerHandle]:
+        """The processes that have exited (empty while the whole cluster runs)."""
+        return [h for h in [*self.workers, *([self.router] if self.router else [])] if not h.alive()]
+
+    def stop(self) -> None:
+        """Stops the router first (no new requests reach a stopping worker), then every worker. Idempotent."""
+        if self.router is not None:
+            self.router.stop()
+        for handle in self.workers:  # SIGTERM all first: a worker takes seconds to stop, they stop together
+            if handle.alive():
+                try:
+                    os.killpg(handle.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for handle in self.workers:
+            handle.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
