@@ -102,8 +102,10 @@ def adapter_accounting(scheduler) -> dict | None:
         slots = sum(_tensor_bytes(getattr(pool, attr, None)) for attr in
                     ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
                      "lm_head_B_buffer"))
+    registry = process_state().adapters
+    alora = sorted(name for uid, name in names.items() if (spec := registry.spec(uid)) is not None and spec.is_alora)
     return {"loaded": len(names), "weights": weights, "host": host, "slot_buffers": slots,
-            "total": sum(weights.values()) + sum(host.values()) + slots}
+            "total": sum(weights.values()) + sum(host.values()) + slots, "alora": alora}
 
 
 ROUTE = "/multilora/stats"

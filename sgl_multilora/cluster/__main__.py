@@ -19,12 +19,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Start N SGLang workers (with the sgl_multilora plugin) behind the smg router. Everything "
                     "after `--` is passed to every `python -m sglang.launch_server` (--model-path included; "
                     "--host and --port are set per worker).",
-        epilog="example: python -m sgl_multilora.cluster --workers 2 --router-port 30000 --policy cache_aware -- "
+        epilog="example: python -m sgl_multilora.cluster --workers 2 --router-port 30000 -- "
                "--model-path M --enable-lora --lora-paths caps=assets/adapters/caps --device cpu ...")
     parser.add_argument("--workers", type=int, required=True, help="number of workers")
     parser.add_argument("--router-port", type=int, default=30000,
                         help="the router's port; workers listen on the next N ports (default: 30000)")
-    parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="smg routing policy")
+    parser.add_argument("--policy", choices=POLICIES, default="lora_aware",
+                        help="lora_aware (default): our adapter-aware placement in front of smg "
+                             "(sgl_multilora/cluster/gateway.py); any other: that smg routing policy alone")
     parser.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
     parser.add_argument("--log-dir", default=None, help="worker<i>.log and router.log (default: a temp dir)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"starting {args.workers} workers (logs in {cluster.log_dir}) ...", flush=True)
         with cluster:
+            if cluster.gateway is not None:
+                print(f"serving {cluster.url}  (LoRA-aware placement; cluster view {cluster.url}/cluster/stats)")
             print(f"router  {cluster.router_url}  (policy {args.policy}, metrics {cluster.metrics_url})")
             for url in cluster.worker_urls:
                 print(f"worker  {url}")

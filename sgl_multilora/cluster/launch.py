@@ -28,8 +28,11 @@ from sgl_multilora.server import ServerHandle, ServerStartError, _stop_with_pare
 
 SMG_VERSION = "1.13.0"  # the router version this launcher is checked against (requirements/cpu.lock pins it)
 # `smg launch --policy` choices of smg 1.13.0 (`passthrough` and the PD-only `bucket` left out).
-POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
-            "prefix_hash", "manual")
+SMG_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
+                "prefix_hash", "manual")
+# Ours: smg with consistent_hashing (it honours X-SMG-Target-Worker) behind our gateway (gateway.py).
+LORA_AWARE = "lora_aware"
+POLICIES = (LORA_AWARE, *SMG_POLICIES)
 # Flags the launcher sets itself on every worker.
 RESERVED_WORKER_FLAGS = ("--host", "--port")
 
@@ -70,7 +73,8 @@ class Cluster:
     def __init__(self, num_workers: int, worker_args: Sequence[str], *, policy: str = "cache_aware",
                  router_port: int | None = None, host: str = "127.0.0.1", router_args: Sequence[str] = (),
                  log_dir: str | os.PathLike | None = None, ready_timeout_s: float = 600.0,
-                 env: dict[str, str] | None = None, python: str = sys.executable):
+                 env: dict[str, str] | None = None, python: str = sys.executable,
+                 gateway_args: Sequence[str] = ()):
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if policy not in POLICIES:
@@ -84,6 +88,7 @@ class Cluster:
         self.host, self.router_args, self.ready_timeout_s = host, list(router_args), ready_timeout_s
         self.env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         self.python = python
+        self.gateway_args = list(gateway_args)
         self.router_port = router_port or free_port()
         self.worker_ports = ([self.router_port + 1 + i for i in range(num_workers)] if router_port
                              else [free_port() for _ in range(num_workers)])
@@ -91,10 +96,17 @@ class Cluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl_multilora_cluster_"))
         self.workers: list[ServerHandle] = []
         self.router: ServerHandle | None = None
+        self.gateway: ServerHandle | None = None
+        self.gateway_port = free_port() if policy == LORA_AWARE else None
 
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.router_port}"
+
+    @property
+    def url(self) -> str:
+        """Where clients send requests: the gateway with `lora_aware`, else the router."""
+        return f"http://{self.host}:{self.gateway_port}" if self.gateway_port else self.router_url
 
     @property
     def worker_urls(self) -> list[str]:
@@ -107,10 +119,16 @@ class Cluster:
 
     def router_command(self) -> list[str]:
         return [self.python, "-m", "smg", "launch", "--host", self.host, "--port", str(self.router_port),
-                "--worker-urls", *self.worker_urls, "--policy", self.policy,
+                "--worker-urls", *self.worker_urls,
+                "--policy", "consistent_hashing" if self.policy == LORA_AWARE else self.policy,
                 "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
                 # smg drains in-flight requests for 180 s on SIGTERM by default; our stop waits 30 s at most
                 "--shutdown-grace-period-secs", "5", "--log-level", "warn", *self.router_args]
+
+    def gateway_command(self) -> list[str]:
+        return [self.python, "-m", "sgl_multilora.cluster.gateway", "--host", self.host,
+                "--port", str(self.gateway_port), "--router-url", self.router_url,
+                "--worker-urls", *self.worker_urls, *self.gateway_args]
 
     def start(self) -> Self:
         if not smg_available():
@@ -126,6 +144,10 @@ class Cluster:
             self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
             self._wait([self.router], "/readiness", "router")
             self._wait_registered()
+            if self.gateway_port:
+                gateway_url = f"http://{self.host}:{self.gateway_port}"
+                self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url, self.env)
+                self._wait([self.gateway], "/cluster/stats", "gateway")
         except BaseException:
             self.stop()
             raise
@@ -166,10 +188,13 @@ class Cluster:
 
     def exited(self) -> list[ServerHandle]:
         """The processes that have exited (empty while the whole cluster runs)."""
-        return [h for h in [*self.workers, *([self.router] if self.router else [])] if not h.alive()]
+        return [h for h in [*self.workers, *(h for h in (self.router, self.gateway) if h)] if not h.alive()]
 
     def stop(self) -> None:
-        """Stops the router first (no new requests reach a stopping worker), then every worker. Idempotent."""
+        """Stops the gateway and the router first (no new requests reach a stopping worker), then every worker.
+        Idempotent."""
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.router is not None:
             self.router.stop()
         for handle in self.workers:  # SIGTERM all first: a worker takes seconds to stop, they stop together

@@ -1,9 +1,12 @@
-"""End to end: two plugin workers behind SGLang's router `smg` (`sgl_multilora.cluster.Cluster`).
+"""End to end: two plugin workers behind SGLang's router `smg` with our LoRA-aware placement in front
+(`sgl_multilora.cluster.Cluster(policy="lora_aware")`: gateway.py + smg's consistent_hashing policy).
 
-Through the router, `/generate` with and without `lora_path` returns the greedy tokens a worker returns directly,
-and round-robin reaches both workers; the OpenAI API reaches the base model. `model="<served>:<adapter>"` is not
-routed by smg 1.13 (it routes by the `model` field to workers registered under that id, and an adapter is no
-registered id): that limitation is pinned here so a change in smg shows. Stopping the cluster leaves no process.
+Through the cluster, `/generate` with and without `lora_path` returns the greedy tokens a worker returns directly;
+requests of one (adapter, prefix) land on one worker, distinct prompts reach both, and the gateway's choice is the
+worker that answers (smg honours its routing header). The OpenAI API with `model="<served>:<adapter>"` answers as
+the worker does, where smg alone answers 404 (it routes by the `model` field to workers registered under that id,
+and an adapter is no registered id): that limitation is pinned here so a change in smg shows. The cluster view
+lists placements and every worker's memory. Stopping the cluster leaves no process.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def cluster(model_path):
 
     worker_args = ["--model-path", model_path, *cpu_server_args(max_total_tokens=4096), *LORA_SERVER_ARGS,
                    "--radix-cache-backend", "multilora"]
-    handle = Cluster(2, worker_args, policy="round_robin", log_dir=REPO / ".pytest_cache" / "e2e_cluster")
+    handle = Cluster(2, worker_args, policy="lora_aware", log_dir=REPO / ".pytest_cache" / "e2e_cluster")
     with handle:
         yield handle
 
@@ -49,33 +52,54 @@ def chat(url: str, model: str) -> requests.Response:
         "max_tokens": MAX_NEW_TOKENS, "temperature": 0})
 
 
-def test_generate_through_router_equals_worker(cluster, manifest, tokenizer):
+def test_generate_through_cluster_equals_worker(cluster, manifest, tokenizer):
     prompts = {e["name"]: tokenizer(e["example_input_text"], add_special_tokens=False)["input_ids"]
                for e in manifest if e["kind"] == "lora"}
-    routed, direct = set(), {}
+    direct = {}
     for lora in [None, "caps", "json"]:
         ids = prompts[lora or "caps"]
         direct[lora], _ = generate(cluster.worker_urls[0], ids, lora)
-        for _ in range(2):  # round robin: the two requests land on different workers
-            tokens, worker = generate(cluster.router_url, ids, lora)
-            assert tokens == direct[lora], f"adapter {lora}: router {tokens} != worker {direct[lora]}"
-            routed.add(worker.rstrip("/"))
-    assert routed == set(cluster.worker_urls)
+        workers = set()
+        for _ in range(2):
+            tokens, worker = generate(cluster.url, ids, lora)
+            assert tokens == direct[lora], f"adapter {lora}: cluster {tokens} != worker {direct[lora]}"
+            workers.add(worker.rstrip("/"))
+        assert len(workers) == 1, f"one (adapter, prefix) went to several workers: {workers}"
     assert direct[None] != direct["caps"], "caps changed nothing on its own prompt: lora_path was not applied"
 
 
-def test_openai_api_through_router(cluster):
+def test_distinct_prompts_spread_and_land_where_placed(cluster, tokenizer):
+    routed = set()
+    for i in range(12):
+        ids = tokenizer(f"Question {i}: name a city in country number {i}.", add_special_tokens=False)["input_ids"]
+        _, worker = generate(cluster.url, ids, None)
+        routed.add(worker.rstrip("/"))
+    assert routed == set(cluster.worker_urls), f"12 distinct base prompts all went to {routed}"
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    placement = view["placement"]
+    assert set(placement["workers_of"]) >= {"caps", "json"}
+    assert sum(placement["routed"].values()) >= 12 + 6
+    assert view["relearned_order"] == 0, "smg answered from another worker than the gateway chose"
+    for worker in view["workers"]:
+        assert worker["kv"]["total"] == 4096 and worker["adapters"]["loaded"] >= 5, worker
+    assert sorted(placement["alora"]) == sorted(["check_caps", "rate_length"])
+
+
+def test_openai_api_through_cluster(cluster):
     served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
-    direct, routed = chat(cluster.worker_urls[0], served), chat(cluster.router_url, served)
-    assert direct.status_code == routed.status_code == 200, routed.text
-    assert routed.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
-    assert chat(cluster.worker_urls[0], f"{served}:caps").status_code == 200
-    adapter = chat(cluster.router_url, f"{served}:caps")
+    for model in (served, f"{served}:caps"):
+        direct, routed = chat(cluster.worker_urls[0], model), chat(cluster.url, model)
+        assert direct.status_code == routed.status_code == 200, routed.text
+        assert routed.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"], model
+    assert chat(cluster.url, served).json()["choices"][0]["message"] != \
+        chat(cluster.url, f"{served}:caps").json()["choices"][0]["message"], "the adapter was dropped"
+    adapter = chat(cluster.router_url, f"{served}:caps")  # smg alone
     assert adapter.status_code == 404 and "model_not_found" in adapter.text, adapter.text
 
 
 def test_stop_leaves_no_process(cluster):
-    groups = [h.process.pid for h in [*cluster.workers, cluster.router]]  # each started its own process group
+    handles = [*cluster.workers, cluster.router, cluster.gateway]
+    groups = [h.process.pid for h in handles]  # each started its own process group
     cluster.stop()
     deadline = time.monotonic() + 30
     while True:
@@ -90,4 +114,4 @@ def test_stop_leaves_no_process(cluster):
             break
         time.sleep(0.5)
     assert not alive, f"process groups still alive after stop: {alive}"
-    assert not any(h.alive() for h in [*cluster.workers, cluster.router])
+    assert not any(h.alive() for h in handles)

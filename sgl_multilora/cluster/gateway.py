@@ -1,0 +1,209 @@
+"""LoRA-aware placement in front of smg: the smallest layer that smg 1.13.0 needs to route by adapter.
+
+Lives here: `python -m sgl_multilora.cluster.gateway`, an HTTP front that clients use exactly as one SGLang server.
+For each generation request it reads the adapter (`lora_path` of `/generate`, or OpenAI's `model="<base>:<adapter>"`)
+and the prompt's start, asks `Placement` (placement.py) for a worker, and forwards the request unchanged to smg with
+smg's own routing header `X-SMG-Target-Worker` (smg runs `--policy consistent_hashing`, the policy that honours
+it). smg does the rest: connections, health, retries, streaming. Every other path goes to smg as is.
+`GET /cluster/stats` is the cluster view: placements, routed counts, and each worker's KV and adapter memory from
+its `/multilora/stats`. Not here: starting processes (launch.py).
+
+Why a layer at all (smg 1.13.0, checked live): its policies key on prompt text only (`lora_path` is not part of
+cache_aware's tree, so it promises affinity across adapters that the workers cannot honour); an OpenAI request
+naming `<base>:<adapter>` is answered 404 `model_not_found` (adapters are not model ids, and a worker takes one
+model id only); workers report no adapter residency. Its header routing is the extension point that fits, so the
+decision is ours and the transport smg's. OpenAI requests naming an adapter are passed to smg as the base model
+with SGLang's `lora_path` field, which the workers honour.
+
+`X-SMG-Target-Worker` is an index into smg's own worker order, which is not `--worker-urls`' order and differs
+between `/generate` (no model named) and the OpenAI routes (the served model's workers): the gateway learns both at
+start (one probe per index, reading smg's `x-smg-routed-worker-id` answer header) and again whenever an answer comes
+from another worker than the one asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from sgl_multilora.cluster.placement import Placement
+
+logger = logging.getLogger("sgl_multilora.cluster.gateway")
+GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
+ROUTED_HEADER = "x-smg-routed-worker-id"
+
+
+def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
+    """(adapter or None, the prompt's text for affinity, the body to forward)."""
+    if path == "/generate":
+        lora = body.get("lora_path")
+        lora = lora[0] if isinstance(lora, list) and lora else lora
+        text = body.get("text")
+        if isinstance(text, list):
+            text = text[0] if text else ""
+        if text is None:
+            ids = body.get("input_ids") or []
+            ids = ids[0] if ids and isinstance(ids[0], list) else ids
+            text = " ".join(map(str, ids[:128]))
+        return (lora or None), str(text), body
+    model = str(body.get("model") or "")
+    adapter = None
+    if ":" in model:  # SGLang's "<base>:<adapter>"; smg knows only the base model id
+        base, adapter = model.split(":", 1)
+        body = {**body, "model": base, "lora_path": adapter}
+    elif body.get("lora_path"):
+        adapter = body["lora_path"]
+    if path == "/v1/chat/completions":
+        prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt") or ""
+        prompt = prompt[0] if isinstance(prompt, list) and prompt else prompt
+    return adapter, str(prompt), body
+
+
+class Gateway:
+    def __init__(self, router_url: str, worker_urls: list[str], placement: Placement) -> None:
+        self.router_url, self.worker_urls, self.placement = router_url.rstrip("/"), worker_urls, placement
+        self.in_flight = [0] * len(worker_urls)
+        self.smg_index: dict[str, list[int]] = {}  # route kind -> our worker -> smg's index
+        self.served_model: str | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.relearned = 0
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        await self.learn_order()
+        await self.learn_alora()
+
+    async def stop(self, app: web.Application) -> None:
+        await self.session.close()
+
+    async def learn_order(self) -> None:
+        """smg's index of each worker, per kind of route (smg orders the workers of a named model apart from the
+        unnamed workers `/generate` goes to): one one-token request per index, reading who answered."""
+        async with self.session.get(self.worker_urls[0] + "/v1/models") as r:
+            self.served_model = (await r.json())["data"][0]["id"]
+        probes = {"native": ("/generate", {"text": "ping", "sampling_params": {"max_new_tokens": 1}}),
+                  "openai": ("/v1/completions", {"model": self.served_model, "prompt": "ping", "max_tokens": 1})}
+        for kind, (path, body) in probes.items():
+            found: list[int | None] = [None] * len(self.worker_urls)
+            for index in range(len(self.worker_urls)):
+                async with self.session.post(self.router_url + path, json=body,
+                                             headers={"X-SMG-Target-Worker": str(index)}) as r:
+                    await r.read()
+                    url = r.headers.get(ROUTED_HEADER, "").rstrip("/")
+                if url in self.worker_urls:
+                    found[self.worker_urls.index(url)] = index
+            if None in found:
+                raise RuntimeError(f"smg at {self.router_url} did not route {path} to every worker by index: {found}")
+            self.smg_index[kind] = found
+
+    async def learn_alora(self) -> None:
+        names: set[str] = set()
+        for url in self.worker_urls:
+            async with self.session.get(url + "/multilora/stats") as r:
+                stats = await r.json() if r.status == 200 else {}
+            for memory in stats.get("memory") or []:
+                names |= set(((memory or {}).get("adapters") or {}).get("alora") or [])
+        self.placement.set_alora(sorted(names))
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        worker = None
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                adapter, prompt, body = adapter_and_prompt(request.path, body)
+                worker = self.placement.route(adapter, prompt, self.in_flight)
+                raw = json.dumps(body).encode()
+                kind = "native" if request.path == "/generate" else "openai"
+                headers["X-SMG-Target-Worker"] = str(self.smg_index[kind][worker])
+                headers["Content-Type"] = "application/json"
+                self.in_flight[worker] += 1
+        try:
+            return await self._forward(request, raw, headers, worker)
+        finally:
+            if worker is not None:
+                self.in_flight[worker] -= 1
+
+    async def _forward(self, request, raw: bytes, headers: dict, worker: int | None) -> web.StreamResponse:
+        async with self.session.request(request.method, self.router_url + request.path_qs, data=raw,
+                                        headers=headers) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            answered = upstream.headers.get(ROUTED_HEADER, "").rstrip("/")
+        if worker is not None and answered and answered != self.worker_urls[worker]:
+            self.relearned += 1  # smg's order changed (a worker re-registered): learn it again
+            logger.warning("smg answered from %s for worker %s; relearning its worker order", answered,
+                           self.worker_urls[worker])
+            await self.learn_order()
+        return response
+
+    async def cluster_stats(self, request: web.Request) -> web.Response:
+        async def worker_view(i: int, url: str) -> dict:
+            view = {"url": url, "smg_index": {k: v[i] for k, v in self.smg_index.items()},
+                    "in_flight": self.in_flight[i]}
+            try:
+                async with self.session.get(url + "/multilora/stats",
+                                            timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    stats = await r.json()
+                memory = (stats.get("memory") or [None])[0] or {}
+                view["kv"] = {k: memory.get(k) for k in ("total", "free", "cache_evictable", "cache_protected",
+                                                         "running", "waiting")}
+                view["adapters"] = {k: (memory.get("adapters") or {}).get(k) for k in ("loaded", "total")}
+                if memory.get("unified_pool"):
+                    view["unified_pool"] = memory["unified_pool"].get("bytes")
+                trees = stats.get("schedulers") or []
+                if trees and trees[0]:
+                    view["tree"] = {k: trees[0].get(k) for k in ("num_kv_nodes", "total_len", "num_evicted_tokens",
+                                                                 "hit_tokens")}
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                view["error"] = str(e) or type(e).__name__
+            return view
+
+        workers = await asyncio.gather(*(worker_view(i, u) for i, u in enumerate(self.worker_urls)))
+        return web.json_response({"router": self.router_url, "placement": self.placement.view(),
+                                  "relearned_order": self.relearned, "workers": list(workers)})
+
+
+def make_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=256 * 2**20)
+    app.on_startup.append(gateway.start)
+    app.on_cleanup.append(gateway.stop)
+    app.router.add_get("/cluster/stats", gateway.cluster_stats)
+    app.router.add_route("*", "/{tail:.*}", gateway.handle)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sgl_multilora.cluster.gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--router-url", required=True, help="smg, started with --policy consistent_hashing")
+    parser.add_argument("--worker-urls", nargs="+", required=True, help="the workers smg routes to")
+    parser.add_argument("--replication", type=float, default=1.0,
+                        help="replicas per adapter = ceil(request share x workers x this), at least 1")
+    parser.add_argument("--prefix-chars", type=int, default=256, help="prompt characters in the affinity key")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    placement = Placement(len(args.worker_urls), replication=args.replication, prefix_chars=args.prefix_chars)
+    gateway = Gateway(args.router_url, [u.rstrip("/") for u in args.worker_urls], placement)
+    web.run_app(make_app(gateway), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()
