@@ -13,6 +13,11 @@ import logging
 import time
 
 import torch
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.host_kv import LiveHostTier
+from sgl_multilora.patches.ingress import decode_extra_key
+from sgl_multilora.patches.state import process_state
+from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefResult,
     EvictParams,
@@ -28,11 +33,6 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sgl_multilora.adapters import find_invocation_start
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
-from sgl_multilora.patches import flags
-from sgl_multilora.patches.host_kv import LiveHostTier
-from sgl_multilora.patches.ingress import decode_extra_key
-from sgl_multilora.patches.state import process_state
-from sgl_multilora.patches.unified_memory import LiveMemory, UnifiedTokenAllocator
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind, TreeStats
 
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "multilora"
 STATS_LOG_INTERVAL_S = 10.0
+MAX_NAMESPACES = 4096  # decoded (extra_key, cache_salt) pairs kept
 
 
 class MultiLoRARadixCache(RadixCache):
@@ -50,6 +51,7 @@ class MultiLoRARadixCache(RadixCache):
         self.adapters = process_state().adapters  # the process's adapter owner: lora_id -> spec
         self._last_stats_log = time.monotonic()
         self._adapter_refs: dict[str, AdapterRef] = {}  # identity -> its (immutable) key object
+        self._namespaces: dict[tuple, Namespace] = {}  # (req.extra_key, cache_salt) -> its decoded Namespace
         self.memory: LiveMemory | None = None
         self.host: LiveHostTier | None = None
         super().__init__(params)
@@ -71,11 +73,22 @@ class MultiLoRARadixCache(RadixCache):
     def _namespace(self, extra_key: str | None, cache_salt: str | None) -> Namespace:
         return Namespace(base_model=self.model_id, cache_salt=cache_salt, extra_key=extra_key or None)
 
+    def _req_namespace(self, extra_key: str | None, cache_salt: str | None) -> Namespace:
+        """The namespace of a request's encoded `extra_key` and salt: a pure function of the two strings (and the
+        served model), so decoded once per pair; the table is cleared when it grows past MAX_NAMESPACES."""
+        pair = (extra_key, cache_salt)
+        namespace = self._namespaces.get(pair)
+        if namespace is None:
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                self._namespaces.clear()
+            client_extra_key, _ = decode_extra_key(extra_key)  # the adapter comes from lora_id, resolved by the caller
+            namespace = self._namespaces[pair] = self._namespace(client_extra_key, cache_salt)
+        return namespace
+
     def _key_for_req(self, req, token_ids) -> MatchKey:
         """The tree key of `req` over `token_ids` (any int sequence; the tree copies what it keeps)."""
         lora_id = getattr(req, "lora_id", None)
-        client_extra_key, _ = decode_extra_key(req.extra_key)  # the adapter comes from lora_id, resolved here
-        namespace = self._namespace(client_extra_key, req.cache_salt)
+        namespace = self._req_namespace(req.extra_key, req.cache_salt)
         if lora_id is None:
             return MatchKey(namespace, None, token_ids)
         spec = self.adapters.spec(lora_id)
@@ -155,7 +168,7 @@ class MultiLoRARadixCache(RadixCache):
         if self.disable:
             return InsertResult(prefix_len=0)
         key = self._key_without_req(params.key)
-        values = params.value.tolist()
+        values = params.value.to(dtype=torch.int64, copy=True)  # the tree keeps slices of it (`value_cache`)
         result = self.tree.insert(key, values)
         if self.memory is not None:
             self.token_to_kv_pool_allocator.mark_cached(values[result.prefix_len:])
@@ -166,22 +179,22 @@ class MultiLoRARadixCache(RadixCache):
             return
         token_ids = req.full_untruncated_fill_ids[:up_to]
         aligned_len = len(token_ids) // self.page_size * self.page_size
+        if aligned_len < len(token_ids):
+            token_ids = token_ids[:aligned_len]
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :aligned_len]
+        # A private copy: the tree keeps slices of it as its nodes' `value_cache` (and lists of what it takes).
         values = kv_indices.to(dtype=torch.int64, copy=True)
-        value_list = values.tolist()
-        result = self.tree.insert(self._key_for_req(req, token_ids[:aligned_len]), value_list)
+        result = self.tree.insert(self._key_for_req(req, token_ids), values)
         if self.memory is not None:  # the rows the tree did not have are its own now
-            self.token_to_kv_pool_allocator.mark_cached(value_list[result.prefix_len:])
+            self.token_to_kv_pool_allocator.mark_cached(values[result.prefix_len:])
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, aligned_len)
+        protected_len = req.kv.cache_protected_len
         # The tree kept its own slots for [0, prefix_len): free this request's duplicates past the protected part.
-        self.token_to_kv_pool_allocator.free_segment(
-            kv_indices[req.kv.cache_protected_len : result.prefix_len], start_pos=req.kv.cache_protected_len
-        )
-        new_indices = self.path_device_indices(result.last_node)[:aligned_len]
-        assert len(new_indices) == aligned_len, (len(new_indices), aligned_len)
+        self.token_to_kv_pool_allocator.free_segment(kv_indices[protected_len : result.prefix_len],
+                                                     start_pos=protected_len)
         self.req_to_token_pool.write(
-            (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, aligned_len)),
-            new_indices[req.kv.cache_protected_len :],
+            (req.kv.req_pool_idx, slice(protected_len, aligned_len)),
+            self._path_indices(result.last_node, protected_len, aligned_len),
         )
         req.kv.cache_protected_len = aligned_len
         self.unlock(req.lock)
@@ -196,12 +209,10 @@ class MultiLoRARadixCache(RadixCache):
             num_evicted = self.memory.evict(params.num_tokens)
             self.update_eviction_metrics(num_evicted, start)
             return EvictResult(num_tokens_evicted=num_evicted)
-        allocator = self.token_to_kv_pool_allocator
-
-        def free(values: list[int]) -> None:
-            allocator.free_segment(torch.tensor(values, dtype=torch.int64, device=self.device), start_pos=0)
-
-        num_evicted = self.tree.evict(params.num_tokens, free)
+        runs = []  # the evicted runs' slot ids, freed in one call (the free list comes out as if freed one by one)
+        num_evicted = self.tree.evict(params.num_tokens, runs.append)
+        if runs:
+            self.token_to_kv_pool_allocator.free_segment(torch.cat([self._as_indices(r) for r in runs]), start_pos=0)
         self.update_eviction_metrics(num_evicted, start)
         return EvictResult(num_tokens_evicted=num_evicted)
 
@@ -220,13 +231,37 @@ class MultiLoRARadixCache(RadixCache):
         return DecLockRefResult(delta=self.tree.evictable_len() - before)
 
     def path_device_indices(self, node: Node) -> torch.Tensor:
-        runs = []
+        return self._path_indices(node, 0, None)
+
+    def _path_indices(self, node: Node, start: int, end: int | None) -> torch.Tensor:
+        """`path_device_indices(node)[start:end]`, concatenating only the runs that overlap it (each run's
+        `value_cache`, so no list is converted). Asserts the path holds at least `end` tokens."""
+        path = []
         while node is not None and node.kind is NodeKind.KV:
-            runs.append(node.value)
+            path.append(node)
             node = node.parent
+        path.reverse()
+        runs, pos, first = [], 0, 0
+        for n in path:
+            run_end = pos + len(n.value)
+            if run_end > start and (end is None or pos < end):
+                if not runs:
+                    first = pos
+                runs.append(self._as_indices(n.value_cache if n.value_cache is not None else n.value))
+            pos = run_end
+        assert end is None or pos >= end, (pos, end)
         if not runs:
             return self._empty_device_indices
-        values = [v for run in reversed(runs) for v in run]
+        indices = torch.cat(runs)
+        if start == first and (end is None or end == pos):
+            return indices
+        return indices[start - first:(pos if end is None else end) - first]
+
+    def _as_indices(self, values) -> torch.Tensor:
+        """A run's slot ids as an int64 tensor: its `value_cache` as is, a list (a node inserted without one)
+        converted."""
+        if isinstance(values, torch.Tensor):
+            return values
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def evictable_size(self):

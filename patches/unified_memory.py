@@ -31,12 +31,13 @@ import logging
 import time
 from collections import Counter
 
+import numpy as np
 import torch
+from sgl_multilora.patches import flags
+from sgl_multilora.patches.state import process_state
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sgl_multilora.adapters import LoadedAdapter
-from sgl_multilora.patches import flags
-from sgl_multilora.patches.state import process_state
 from sgl_multilora.policy import create_policy
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
@@ -56,6 +57,7 @@ EMA = 0.2
 # queued after it, so that running requests drain and free the memory it needs (no starvation under a steady stream
 # of requests for resident adapters).
 STARVATION_S = 2.0
+SHORT_RUN_IDS = 64  # up to this many KV indices, the pool's own run finder beats array operations
 
 
 class UnifiedTokenAllocator(TokenToKVPoolAllocator):
@@ -117,20 +119,46 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
     # ---- the tree's side ----------------------------------------------------------------------------------------
 
     def to_indices(self, slots: SlotRuns) -> torch.Tensor:
-        if len(slots.runs) == 1:
-            start, n = slots.runs[0]
+        """The KV indices (slot + 1) of `slots`, in the order handed out: a few array operations, not a tensor per
+        run (a fragmented pool hands out hundreds of runs)."""
+        runs = slots.runs
+        if len(runs) == 1:
+            start, n = runs[0]
             return torch.arange(start + 1, start + 1 + n, dtype=torch.int64, device=self.device)
-        return torch.cat([torch.arange(s + 1, s + 1 + n, dtype=torch.int64, device=self.device)
-                          for s, n in slots.runs])
+        starts, lens = np.array(runs, dtype=np.int64).T
+        # position i of run r holds starts[r] + 1 + (i - the position run r starts at)
+        offsets = np.repeat(starts + 1 - (np.cumsum(lens) - lens), lens)
+        return torch.from_numpy(np.arange(slots.num_slots, dtype=np.int64) + offsets).to(self.device)
 
-    def mark_cached(self, indices: list[int]) -> None:
-        """KV rows a request computed that the tree now owns."""
-        if indices:
-            self.pool.move("kv_running", "kv_cached", [i - 1 for i in indices])
+    def mark_cached(self, indices) -> None:
+        """KV rows a request computed that the tree now owns (KV indices: an int64 tensor or a list)."""
+        if len(indices):
+            self.pool.move("kv_running", "kv_cached", _slot_runs(indices))
 
-    def free_cached(self, indices: list[int]) -> None:
-        """An evicted run of the tree."""
-        self.pool.release("kv_cached", [i - 1 for i in indices])
+    def free_cached(self, indices) -> None:
+        """An evicted run of the tree (KV indices: an int64 tensor, the run's `value_cache`, or a list)."""
+        self.pool.release("kv_cached", _slot_runs(indices))
+
+
+def _slot_runs(indices) -> SlotRuns | list[int]:
+    """The slot ids (index - 1) of KV indices, for the pool: a list (the pool finds the runs) when short, else sorted
+    runs found with array operations rather than a Python loop over the ids. Raises ValueError naming a duplicate
+    id, as the pool's `runs_of` does."""
+    if not isinstance(indices, torch.Tensor):
+        return [i - 1 for i in indices]
+    n = len(indices)
+    if n <= SHORT_RUN_IDS:
+        return [i - 1 for i in indices.tolist()]
+    ids = indices.cpu().numpy() - 1
+    if not (ids[1:] > ids[:-1]).all():
+        ids = np.sort(ids)
+        same = np.flatnonzero(ids[1:] == ids[:-1])
+        if len(same):
+            raise ValueError(f"slot id {int(ids[same[0]])} given twice")
+    bounds = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1
+    starts = ids[np.concatenate(([0], bounds))].tolist()
+    lens = np.diff(bounds, prepend=0, append=n).tolist()
+    return SlotRuns(n, tuple(zip(starts, lens)))
 
 
 class LiveMemory:

@@ -233,10 +233,12 @@ class Swapper:
     def _heap(self, protect: str | None, now: float) -> list:
         """Candidates as (tier, score, kind, key, item): adapters wanted by waiting requests in tier 1, after
         everything else; then by score, KV (0) before adapters (1) on equal scores, then node id or adapter id."""
-        score, records, wanted = self.policy.score, self.records, self._wanted()
-        heap = [(0, score(n, now), 0, n.id, n) for n in self.tree.evictable_leaves()]
-        heap += [(int(a in wanted), score(records[a], now), 1, a, a) for a in self.residency.resident_ids()
-                 if self._adapter_evictable(a, protect)]
+        score_many, records, wanted = self.policy.score_many, self.records, self._wanted()
+        leaves = self.tree.evictable_leaves()
+        heap = [(0, s, 0, n.id, n) for s, n in zip(score_many(leaves, now), leaves)]
+        adapters = [a for a in self.residency.resident_ids() if self._adapter_evictable(a, protect)]
+        heap += [(int(a in wanted), s, 1, a, a)
+                 for s, a in zip(score_many([records[a] for a in adapters], now), adapters)]
         heapq.heapify(heap)
         return heap
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
@@ -162,7 +163,7 @@ class LoraRadixTree:
         lock `adapter_node(...)` too if the request needs it.
         """
         store = self._store
-        tokens = _as_tuple(key.token_ids)
+        tokens = _as_tokens(key.token_ids)
         ns_node = store.root.children.get(key.namespace)
         if ns_node is None:
             return MatchResult(0, [], store.root, None)
@@ -205,11 +206,13 @@ class LoraRadixTree:
         Must hold: `len(values) == len(key.token_ids)`, a multiple of page_size (ValueError
         otherwise). Creates the namespace and adapter nodes it needs: the caller just computed this
         KV with the adapter, so it is loaded. Splits nodes where the key diverges. See
-        `InsertResult` for who frees which slots.
+        `InsertResult` for who frees which slots. `values` may be a tensor-like (with `tolist`,
+        e.g. int64): then only the slices the tree takes are converted, and each new node keeps its
+        slice as `value_cache` (freed in that form: see `FreeFn`). The tree never writes `values`.
         """
         store = self._store
-        tokens = _as_tuple(key.token_ids)
-        vals = values.tolist() if hasattr(values, "tolist") else list(values)
+        tokens = _as_tokens(key.token_ids)
+        vals = values if hasattr(values, "tolist") or type(values) in (list, tuple) else list(values)
         n = len(tokens)
         if len(vals) != n:
             raise ValueError(f"insert needs one value per token: {n} tokens, {len(vals)} values")
@@ -260,9 +263,10 @@ class LoraRadixTree:
     def evict(self, num_tokens: int, free_fn: FreeFn) -> int:
         """Evicts unlocked leaves, lowest `score` first, until `num_tokens` tokens are freed.
 
-        Stops early when no unlocked leaf is left. Calls `free_fn(values)` once per evicted run; a
-        parent left childless and unlocked becomes a candidate in the same call. Returns the tokens
-        evicted (may exceed `num_tokens` by part of the last run).
+        Stops early when no unlocked leaf is left. Calls `free_fn(values)` once per evicted run (see
+        `FreeFn` for the form of `values`); a parent left childless and unlocked becomes a candidate
+        in the same call. Returns the tokens evicted (may exceed `num_tokens` by part of the last
+        run).
         """
         if num_tokens <= 0:
             return 0
@@ -342,8 +346,11 @@ class LoraRadixTree:
         return MatchResult(len(out), out, node, hit_kind)
 
 
-def _as_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
-    if type(token_ids) is tuple:
+def _as_tokens(token_ids: Sequence[int]) -> Sequence[int]:
+    """The key's tokens as the tree stores them: a tuple or an `array('q')` (SGLang's own token type,
+    kept as is: slices of it compare at C speed, and converting would cost more than the walk)."""
+    kind = type(token_ids)
+    if kind is tuple or kind is array and token_ids.typecode == "q":
         return token_ids
     if hasattr(token_ids, "tolist"):
         return tuple(token_ids.tolist())

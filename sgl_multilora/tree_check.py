@@ -122,6 +122,10 @@ def _check_kv(node: Node, page_size: int, totals: dict[str, int]) -> None:
     num_tokens = len(node.key)
     assert num_tokens > 0 and num_tokens == len(node.value), (
         f"{node} holds {num_tokens} tokens but {len(node.value)} slot ids")
+    cache = node.value_cache
+    if cache is not None:
+        ids = cache.tolist() if hasattr(cache, "tolist") else list(cache)
+        assert ids == node.value, f"{node}'s value_cache is out of step with its value"
     assert num_tokens % page_size == 0, (
         f"{node} run of {num_tokens} is not whole pages of {page_size}")
     assert node.lock_ref >= 0, f"negative lock count on {node}: unlock without lock"

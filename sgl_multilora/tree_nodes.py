@@ -54,9 +54,15 @@ class AloraEdge:
 class Node:
     """One node of the tree. Identity-hashed (`eq=False`) so nodes can live in sets and heaps.
 
-    KV nodes hold `key` (a run of token ids, a multiple of page_size long) and `value` (one KV slot
-    id per token). Structural nodes (ROOT, NAMESPACE, BASE, ADAPTER) hold no tokens. `value is None`
-    on a KV node means it was evicted and detached; a detached node must never be locked again.
+    KV nodes hold `key` (a run of token ids, a multiple of page_size long: a tuple, or an
+    `array('q')` when the caller's tokens were one, which compares at C speed) and `value` (one KV
+    slot id per token, a list). Structural nodes (ROOT, NAMESPACE, BASE, ADAPTER) hold no tokens.
+    `value is None` on a KV node means it was evicted and detached; a detached node must never be
+    locked again.
+
+    `value_cache` is the same slot ids in the inserting caller's own form (the live server keeps an
+    int64 tensor, so a path's indices are one `torch.cat`), or None. Only `insert` sets it (from
+    values given as a tensor-like); a split slices it with `value`, an eviction drops it.
 
     `lock_ref` counts the locks held on this node or any node that depends on it (its subtree, and
     for an adapter node also its aLoRA suffixes). `depends_on` is set only on the first node of an
@@ -77,6 +83,7 @@ class Node:
     dependents: set[Node] | None = None
     hits: dict[HitKind, int] = field(default_factory=dict)
     label: object = None  # the Namespace (NAMESPACE) or AdapterRef (ADAPTER) this node stands for
+    value_cache: object = None  # `value` in the caller's form (an int64 tensor in the server), or None
 
     def __repr__(self) -> str:
         if self.kind is NodeKind.KV:
@@ -91,8 +98,10 @@ class Node:
 ScoreFn = Callable[[Node, float], float]
 """`score(node, now) -> float`: higher means keep. Pure: it must not modify the node."""
 
-FreeFn = Callable[[list[int]], object]
-"""`free_fn(values)`: gives the slot ids of one evicted KV run back to their owner."""
+FreeFn = Callable[[object], object]
+"""`free_fn(values)`: gives the slot ids of one evicted KV run back to their owner. `values` is the
+node's `value_cache` when it has one (the form its inserter gave, e.g. an int64 tensor), else its
+list: a caller that inserts tensor-likes frees tensor-likes."""
 
 
 def lru_score(node: Node, now: float) -> float:

@@ -14,7 +14,7 @@ would keep them in another class's attributes. `LoraRadixTree` holds one `NodeSt
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from sgl_multilora.keys import AdapterRef, Namespace
 from sgl_multilora.tree_nodes import AloraEdge, FreeFn, HitKind, Node, NodeKind
@@ -23,22 +23,59 @@ _KV = NodeKind.KV
 _ADAPTER = NodeKind.ADAPTER
 
 
-def common_len(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, end: int,
+def common_len(key: Sequence[int], tokens: Sequence[int], pos: int, end: int,
                page_size: int) -> int:
-    """Length of the common prefix of `key` and `tokens[pos:end]`, rounded down to whole pages."""
+    """Length of the common prefix of `key` and `tokens[pos:end]`, rounded down to whole pages.
+
+    `key` and `tokens` are tuples or `array('q')`s; slices of one type compare at C speed, so the
+    first divergence is found by galloping then bisecting over slice comparisons (no per-token loop).
+    Mixed types never compare equal as slices, so they fall back to comparing token by token.
+    """
     n = min(len(key), end - pos)
-    if (key if n == len(key) else key[:n]) == tokens[pos:pos + n]:
-        m = n  # the common case, compared at C speed
-    else:
+    if type(key) is not type(tokens):
         m = 0
-        while key[m] == tokens[pos + m]:
+        while m < n and key[m] == tokens[pos + m]:
             m += 1
-    return m - m % page_size
+        return m - m % page_size
+    if (key if n == len(key) else key[:n]) == tokens[pos:pos + n]:
+        return n - n % page_size  # the common case: one comparison
+    lo, step = 0, 1  # key[:lo] matches; the divergence lies in [lo, n)
+    while True:
+        hi = min(lo + step, n)
+        if key[lo:hi] != tokens[pos + lo:pos + hi]:
+            break
+        lo, step = hi, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == tokens[pos + lo:pos + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo - lo % page_size
 
 
-def child_key(tokens: tuple[int, ...], pos: int, page_size: int) -> Hashable:
+def child_key(tokens: Sequence[int], pos: int, page_size: int) -> Hashable:
     """Key of a run starting at `tokens[pos]` in its parent's children: a token or a page tuple."""
-    return tokens[pos] if page_size == 1 else tokens[pos:pos + page_size]
+    if page_size == 1:
+        return tokens[pos]
+    page = tokens[pos:pos + page_size]
+    return page if type(page) is tuple else tuple(page)
+
+
+def take_values(vals: Sequence[int], start: int, end: int) -> tuple[list[int], object]:
+    """(list, cache) of `vals[start:end]`: a list slice and no cache, or for a tensor-like (anything
+    with `tolist`) the slice's list and an owned copy of the slice, kept as the node's `value_cache`."""
+    piece = vals[start:end]
+    if hasattr(piece, "tolist"):
+        return piece.tolist(), own_slice(piece)
+    return (piece if type(piece) is list else list(piece)), None
+
+
+def own_slice(piece: object) -> object:
+    """`piece` with storage of its own when it has `clone` (a tensor slice is a view: without the copy
+    a short run would keep a whole request's row, or the evicted half of a split run, alive)."""
+    clone = getattr(piece, "clone", None)
+    return piece if clone is None else clone()
 
 
 class NodeStore:
@@ -149,7 +186,7 @@ class NodeStore:
 
     # ---- walks -----------------------------------------------------------------------------------
 
-    def descend(self, node: Node, tokens: tuple[int, ...], pos: int, end: int, out: list[int],
+    def descend(self, node: Node, tokens: Sequence[int], pos: int, end: int, out: list[int],
                 now: float | None, kind: HitKind, edge: tuple[str, int] | None = None,
                 ) -> tuple[Node, int, bool]:
         """Follows `tokens[pos:end]` down from `node`, appending matched slot ids to `out`.
@@ -161,7 +198,7 @@ class NodeStore:
         """
         page_size = self._page_size
         while pos < end:
-            ck = tokens[pos] if page_size == 1 else tokens[pos:pos + page_size]
+            ck = tokens[pos] if page_size == 1 else child_key(tokens, pos, page_size)
             if edge is not None:
                 ck, edge = AloraEdge(edge[0], edge[1], ck), None
             child = node.children.get(ck)
@@ -179,11 +216,12 @@ class NodeStore:
             out.extend(child.value)
         return node, pos, True
 
-    def insert_run(self, node: Node, tokens: tuple[int, ...], vals: list[int], pos: int, end: int,
+    def insert_run(self, node: Node, tokens: Sequence[int], vals: Sequence[int], pos: int, end: int,
                    now: float, alora: tuple[Node, int] | None = None) -> tuple[Node, int]:
         """Inserts `tokens[pos:end]` below `node`; returns (last node, tokens already present).
 
-        Takes ownership of `vals[pos + present:end]`; splits a run where the key diverges inside it.
+        Takes ownership of `vals[pos + present:end]` (`take_values`: a tensor-like is converted only
+        there and kept as the new node's `value_cache`); splits a run where the key diverges inside it.
         `alora = (adapter_node, offset)` keys the first step by an `AloraEdge` and makes a new first
         node depend on the adapter node.
         """
@@ -196,7 +234,9 @@ class NodeStore:
                 ck, alora = AloraEdge(depends_on.label.identity, offset, ck), None
             child = node.children.get(ck)
             if child is None:
-                node = self._add_kv(node, ck, tokens[pos:end], vals[pos:end], now, depends_on)
+                value, cache = take_values(vals, pos, end)
+                node = self._add_kv(node, ck, tokens[pos:end], value, now, depends_on)
+                node.value_cache = cache
                 return node, pos - start
             m = common_len(child.key, tokens, pos, end, self._page_size)
             if m < len(child.key):
@@ -233,11 +273,11 @@ class NodeStore:
     def evict_leaf(self, node: Node, free_fn: FreeFn) -> int:
         """Detaches an unlocked KV leaf, gives its slots to `free_fn` and returns its tokens.
 
-        The node keeps `value None` and must not be used again; a parent left childless becomes a
-        leaf."""
+        `free_fn` gets the node's `value_cache` when it has one, else its list (see `FreeFn`). The
+        node keeps `value None` and must not be used again; a parent left childless becomes a leaf."""
         assert node.lock_ref == 0, f"evicting locked {node}: a lock count fell out of step"
         assert not node.children, f"evicting {node} with children: its dependents would be orphaned"
-        parent, values = node.parent, node.value
+        parent, values, cache = node.parent, node.value, node.value_cache
         del parent.children[node.edge]
         self._leaves.discard(node)
         if parent.kind is _KV and not parent.children:
@@ -250,9 +290,9 @@ class NodeStore:
         self._num_kv_nodes -= 1
         self._num_evicted_runs += 1
         self._num_evicted_tokens += num_tokens
-        node.value = None
+        node.value = node.value_cache = None
         node.parent = None
-        free_fn(values)
+        free_fn(values if cache is None else cache)
         return num_tokens
 
     # ---- private edits ---------------------------------------------------------------------------
@@ -265,7 +305,7 @@ class NodeStore:
             parent.children[edge] = node
         return node
 
-    def _add_kv(self, parent: Node, edge: Hashable, key: tuple[int, ...], value: list[int],
+    def _add_kv(self, parent: Node, edge: Hashable, key: Sequence[int], value: list[int],
                 now: float, depends_on: Node | None) -> Node:
         node = Node(_KV, self._next_id, key, value, parent, edge, last_access=now,
                     depends_on=depends_on)
@@ -298,6 +338,9 @@ class NodeStore:
             dependents.discard(child)
             dependents.add(upper)
             child.depends_on = None
+        cache = child.value_cache
+        if cache is not None:
+            upper.value_cache, child.value_cache = own_slice(cache[:m]), own_slice(cache[m:])
         child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
         child.edge = child_key(child.key, 0, self._page_size)
         upper.children[child.edge] = child

@@ -6,6 +6,7 @@ Lives here: `BasePolicy`. Not here: concrete scores (one file each) and the inpu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 
@@ -21,6 +22,12 @@ class BasePolicy:
 
     def score(self, item: object, now: float) -> float:
         raise NotImplementedError
+
+    def score_many(self, items: Iterable[object], now: float) -> list[float]:
+        """`[score(item, now) for item in items]`, the same floats: an evictor ranking every candidate
+        calls this, and a policy may compute once what the items share (pure, like `score`)."""
+        score = self.score
+        return [score(item, now) for item in items]
 
     def __call__(self, item: object, now: float) -> float:
         return self.score(item, now)

@@ -153,6 +153,44 @@ class EloraPolicy(BasePolicy):
             total += _log_sigmoid_neg(max(0.0, now - item.last_access) / self.tau_s)
         return total
 
+    def score_many(self, items: Iterable[object], now: float) -> list[float]:
+        """`score` of each item, the same floats, with what the items share computed once: the
+        adapter-count factor (a function of the item's kind only) and the visit normaliser."""
+        ctx, drop, tau_s = self.context, self.drop, self.tau_s
+        use_count, use_cost = "lora_count" not in drop, "cost" not in drop
+        use_visit, use_recency = "visit" not in drop, "recency" not in drop
+        total_visits = ctx.total_visits() if use_visit else 1.0
+        log_count: dict[bool, float] = {}  # is_adapter -> log of the adapter-count factor
+        out = []
+        for item in items:
+            total = 0.0
+            if use_count:
+                kind = ctx.is_adapter(item)
+                lf = log_count.get(kind)
+                if lf is None:
+                    f = self.lora_factor(item)
+                    lf = log_count[kind] = math.log(f) if f > 0 else -math.inf
+                if lf == -math.inf:
+                    out.append(-math.inf)
+                    continue
+                total += lf
+            if use_cost:
+                c = self.cost(item)
+                if c <= 0:
+                    out.append(-math.inf)
+                    continue
+                total += math.log(c)
+            if use_visit:
+                v = ctx.visits(item) / total_visits
+                if v <= 0:
+                    out.append(-math.inf)
+                    continue
+                total += math.log(v)
+            if use_recency:
+                total += _log_sigmoid_neg(max(0.0, now - item.last_access) / tau_s)
+            out.append(total)
+        return out
+
     def evaluate(self, item: object, now: float) -> float:
         """Eval itself (Eq. 6); underflows to 0 for items idle for more than about 700 * tau_s."""
         return math.exp(self.score(item, now))

@@ -230,3 +230,16 @@ def test_tree_evict_leaf_and_evictable_leaves():
         tree.evict_leaf(leaves[0], freed.append)  # already evicted
     tree.check_invariants()
     assert AdapterRecord("x", 5).resident is False
+
+
+@pytest.mark.parametrize("drop", [(), ("lora_count",), ("cost",), ("visit",), ("recency",)])
+@pytest.mark.parametrize("mode", ["intent", "literal"])
+def test_elora_score_many_gives_the_same_floats_as_score(drop, mode):
+    """The evictor's batch scoring hoists what items share; every float must equal `score`'s."""
+    items = [Item(), Item(adapter=True, size_bytes=64 * MiB), Item(visits=0.0), Item(cost=0.0),
+             Item(last_access=-3.0), Item(adapter=True, last_access=2.0, visits=7.0)]
+    for n, low in ((0, 2.0), (1, 2.0), (3, 2.0), (2, 0.0)):
+        pol = EloraPolicy(FixedContext(n, low), tau_s=2.0, drop=drop, lora_mode=mode)
+        assert pol.score_many(items, 5.0) == [pol.score(i, 5.0) for i in items]
+    lru = LruPolicy()
+    assert lru.score_many(items, 5.0) == [lru.score(i, 5.0) for i in items]

@@ -304,3 +304,27 @@ def test_check_invariants_names_the_cause(tree):
     node.lock_ref = -1
     with pytest.raises(AssertionError, match="negative lock count"):
         tree.check_invariants()
+
+
+def test_array_tokens_and_tensor_values_keep_value_cache_in_step(clock):
+    """SGLang's form: `array('q')` tokens and int64 tensor values. New nodes keep their slice of the
+    tensor (`value_cache`), a split slices it with the list, eviction frees it; matches, lengths and
+    the invariants are as with tuples and lists."""
+    from array import array
+
+    import torch
+
+    tree = LoraRadixTree(clock=clock)
+    tree.insert(lora(A, array("q", [1, 2, 3, 4, 5])), torch.tensor([10, 11, 12, 13, 14]))
+    res = tree.insert(lora(A, array("q", [1, 2, 3, 8, 9])), torch.tensor([20, 21, 22, 23, 24]))
+    assert res.prefix_len == 3  # split after [1 2 3]; the caller frees 20 21 22
+    tree.check_invariants()  # checks every value_cache against its list
+    assert tree.match(lora(A, array("q", [1, 2, 3, 4, 5]))).kv_values == [10, 11, 12, 13, 14]
+    assert tree.match(lora(A, (1, 2, 3, 8))).kv_values == [10, 11, 12, 23]  # a tuple key still matches
+    upper = res.last_node.parent
+    assert upper.value == [10, 11, 12] and upper.value_cache.tolist() == [10, 11, 12]
+    freed = []
+    assert tree.evict(4, freed.append) == 4
+    assert sorted(t.tolist() for t in freed) == [[13, 14], [23, 24]]
+    assert all(isinstance(t, torch.Tensor) for t in freed)
+    tree.check_invariants()
