@@ -141,17 +141,39 @@ class Cluster:
                            "--host", self.host, "--port", str(port)]
                 self.workers.append(_spawn(command, self.log_dir / f"worker{i}.log", url, self.env))
             self._wait(self.workers, "/health_generate", "worker")
-            self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
-            self._wait([self.router], "/readiness", "router")
-            self._wait_registered()
-            if self.gateway_port:
-                gateway_url = f"http://{self.host}:{self.gateway_port}"
-                self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url, self.env)
-                self._wait([self.gateway], "/cluster/stats", "gateway")
+            self._start_front()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_front(self) -> None:
+        self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
+        self._wait([self.router], "/readiness", "router")
+        self._wait_registered()
+        if self.gateway_port:
+            gateway_url = f"http://{self.host}:{self.gateway_port}"
+            self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url, self.env)
+            self._wait([self.gateway], "/cluster/stats", "gateway")
+
+    def _stop_front(self) -> None:
+        for handle in (self.gateway, self.router):
+            if handle is not None:
+                handle.stop()
+        self.gateway = self.router = None
+
+    def set_policy(self, policy: str) -> None:
+        """Restarts the router (and the gateway) with `policy`; the workers, and what they cache, stay."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        self._stop_front()
+        self.policy = policy
+        self.gateway_port = (self.gateway_port or free_port()) if policy == LORA_AWARE else None
+        try:
+            self._start_front()
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait(self, handles: list[ServerHandle], path: str, what: str) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -193,10 +215,7 @@ class Cluster:
     def stop(self) -> None:
         """Stops the gateway and the router first (no new requests reach a stopping worker), then every worker.
         Idempotent."""
-        if self.gateway is not None:
-            self.gateway.stop()
-        if self.router is not None:
-            self.router.stop()
+        self._stop_front()
         for handle in self.workers:  # SIGTERM all first: a worker takes seconds to stop, they stop together
             if handle.alive():
                 try:
