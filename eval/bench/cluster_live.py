@@ -41,11 +41,11 @@ from sgl_multilora.server import cpu_server_args
 REPO = Path(__file__).resolve().parents[2]
 ARMS = ("lora_aware", "cache_aware", "round_robin")
 WORKLOAD_PARAMS = {  # small enough for 3 CPU workers on 2 cores; adapters shared by both (same names and ranks)
-    "chatbot": {"num_conversations": 12, "num_adapters": 12, "ranks": (16, 32), "mean_new_tokens": 40,
-                "mean_output_tokens": 10, "think_time_s": 3.0, "conversation_rate": 0.4, "mean_turns": 4,
+    "chatbot": {"num_conversations": 8, "num_adapters": 12, "ranks": (16, 32), "mean_new_tokens": 40,
+                "mean_output_tokens": 10, "think_time_s": 3.0, "conversation_rate": 0.5, "mean_turns": 3,
                 "system_tokens": 64},
-    "agent": {"num_sessions": 8, "num_adapters": 12, "ranks": (16, 32), "session_rate": 0.4, "min_turns": 3,
-              "max_turns": 6, "scene_tokens": 256, "mean_new_tokens": 30, "mean_output_tokens": 10,
+    "agent": {"num_sessions": 6, "num_adapters": 12, "ranks": (16, 32), "session_rate": 0.5, "min_turns": 3,
+              "max_turns": 5, "scene_tokens": 256, "mean_new_tokens": 30, "mean_output_tokens": 10,
               "tool_time_s": 2.0},
 }
 
