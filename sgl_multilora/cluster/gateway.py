@@ -197,10 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the workers smg routes to")
     parser.add_argument("--replication", type=float, default=1.0,
                         help="replicas per adapter = ceil(request share x workers x this), at least 1")
-    parser.add_argument("--prefix-chars", type=int, default=256, help="prompt characters in the affinity key")
+    parser.add_argument("--cache-threshold", type=float, default=0.3,
+                        help="go to the worker holding a request's longest prefix when it covers this share")
+    parser.add_argument("--balance-abs", type=int, default=2, help="overloaded: this many more requests in "
+                        "flight than the least loaded worker ...")
+    parser.add_argument("--balance-rel", type=float, default=1.5, help="... and this many times its count")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
-    placement = Placement(len(args.worker_urls), replication=args.replication, prefix_chars=args.prefix_chars)
+    placement = Placement(len(args.worker_urls), replication=args.replication, cache_threshold=args.cache_threshold,
+                          balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     gateway = Gateway(args.router_url, [u.rstrip("/") for u in args.worker_urls], placement)
     web.run_app(make_app(gateway), host=args.host, port=args.port, access_log=None, print=None)
 

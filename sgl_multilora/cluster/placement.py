@@ -12,19 +12,21 @@ workers while r holds; a new or grown adapter takes the workers carrying the lea
 fell so far that even 1.25 times it would earn fewer workers leaves its most loaded (hysteresis: a share at a
 boundary does not flap). Assignments are revised every `rebalance_every` arrivals, so a burst cannot thrash them.
 
-Routing. Requests that share (namespace, adapter, prefix) share KV only on one worker. The affinity key is the
-adapter (for an aLoRA adapter: none, since its requests reuse the base model's prefix KV) plus the prompt's first
-`prefix_chars` characters; rendezvous hashing over the adapter's workers maps a key to the same worker for as long
-as that worker holds the adapter, and moves only the keys of a worker that leaves. A load bound keeps affinity
-from piling requests on one worker, as smg's cache_aware does: when the chosen worker has more than
-`balance_abs` requests in flight above the least loaded of the adapter's workers and more than `balance_rel`
-times its count, the least loaded one is used.
+Routing: smg's cache_aware, keyed by namespace. Requests that share (namespace, adapter, prefix) share KV only on
+one worker. The placement remembers, per block of `block_chars` prompt characters, which worker was last sent that
+prefix in that namespace (the adapter; for an aLoRA adapter the base model's, since its requests reuse the base
+model's prefix KV), in a bounded LRU map. A request goes to the worker holding its longest such prefix when that
+prefix is at least `cache_threshold` of the prompt and the worker is not overloaded (more than `balance_abs` requests
+in flight above the least loaded worker and more than `balance_rel` times its count); otherwise to the least loaded
+of its adapter's workers, or, when even that one is overloaded, to the least loaded worker, which then counts as
+holding the adapter too (the request spills rather than queues).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,14 +47,18 @@ class PlacementStats:
 
 class Placement:
     def __init__(self, num_workers: int, *, replication: float = 1.0, half_life_requests: int = 500,
-                 rebalance_every: int = 50, prefix_chars: int = 256, balance_abs: int = 4,
-                 balance_rel: float = 1.5) -> None:
+                 rebalance_every: int = 50, block_chars: int = 128, max_prefix_chars: int = 65536,
+                 cache_threshold: float = 0.3, balance_abs: int = 2, balance_rel: float = 1.5,
+                 max_prefixes: int = 200_000) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.num_workers = num_workers
         self.replication, self.half_life = replication, half_life_requests
-        self.rebalance_every, self.prefix_chars = rebalance_every, prefix_chars
+        self.rebalance_every = rebalance_every
+        self.block_chars, self.max_prefix_chars = block_chars, max_prefix_chars
+        self.cache_threshold, self.max_prefixes = cache_threshold, max_prefixes
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._homes: OrderedDict[bytes, int] = OrderedDict()  # prefix block key -> the worker last sent it
         self.counts: dict[str, float] = {}
         self.workers_of: dict[str, list[int]] = {}
         self.alora: set[str] = set()
@@ -128,23 +134,57 @@ class Placement:
         return list(self.workers_of.get(adapter) or range(self.num_workers))
 
     def route(self, adapter: str | None, prompt: str, in_flight: Sequence[int]) -> int:
-        """The worker for one request: observe it, then pick among the adapter's workers by affinity and load.
-        `in_flight[w]`: requests worker w is serving now (as the caller counts them)."""
+        """The worker for one request: observe it, find the worker holding the longest cached prefix of it in its
+        namespace, and go there unless the match is short or that worker is overloaded; otherwise the least
+        loaded of the adapter's workers, or (when those are all overloaded) the least loaded worker, which then
+        holds the adapter too. `in_flight[w]`: requests worker w is serving now (as the caller counts them)."""
         self.observe(adapter)
-        workers = self.candidates(adapter)
-        if adapter in self.alora:  # served where the base model's KV of this prefix is
-            workers = list(range(self.num_workers))
-        key = f"{'' if adapter is None or adapter in self.alora else adapter}\x00{prompt[:self.prefix_chars]}"
-        chosen = max(workers, key=lambda w: _rendezvous(key, w))
-        least = min(workers, key=lambda w: (in_flight[w], w))
-        gap = in_flight[chosen] - in_flight[least]
-        if gap > self.balance_abs and in_flight[chosen] > self.balance_rel * in_flight[least]:
-            chosen = least
-            self.stats.balanced += 1
-        else:
+        namespace = "" if adapter is None or adapter in self.alora else adapter
+        blocks = self._block_keys(namespace, prompt)
+        least = min(range(self.num_workers), key=lambda w: (in_flight[w], w))
+        home, matched = None, 0
+        for i in range(len(blocks) - 1, -1, -1):  # the longest prefix some worker was sent
+            home = self._homes.get(blocks[i])
+            if home is not None:
+                matched = (i + 1) * self.block_chars
+                break
+        share = min(1.0, matched / max(1, len(prompt)))
+        if home is not None and share >= self.cache_threshold and not self._overloaded(home, least, in_flight):
+            chosen = home
             self.stats.affinity += 1
+        else:
+            workers = self.candidates(adapter) if namespace else list(range(self.num_workers))
+            tie = blocks[-1] if blocks else prompt.encode()  # spreads new prompts over equally loaded workers
+            ranked = sorted(workers, key=lambda w: (in_flight[w], -_rendezvous(tie, w)))
+            chosen = ranked[0]
+            if self._overloaded(chosen, least, in_flight):
+                chosen = least  # spill: the adapter is loaded there on demand
+                if adapter is not None and chosen not in self.workers_of.setdefault(adapter, []):
+                    self.workers_of[adapter].append(chosen)
+                    self.stats.moves += 1
+            if home is not None and share >= self.cache_threshold:
+                self.stats.balanced += 1
+        for key in blocks:  # this worker now holds the prompt's prefixes
+            self._homes[key] = chosen
+            self._homes.move_to_end(key)
+        while len(self._homes) > self.max_prefixes:
+            self._homes.popitem(last=False)
         self.stats.routed[chosen] = self.stats.routed.get(chosen, 0) + 1
         return chosen
+
+    def _overloaded(self, w: int, least: int, in_flight: Sequence[int]) -> bool:
+        return (in_flight[w] - in_flight[least] > self.balance_abs
+                and in_flight[w] > self.balance_rel * in_flight[least])
+
+    def _block_keys(self, namespace: str, prompt: str) -> list[bytes]:
+        """One key per whole block of `block_chars` characters: the hash of the namespace and the prompt up to the
+        block's end (so a key names a whole prefix, as a radix path does)."""
+        h = hashlib.blake2b(namespace.encode() + b"\x00", digest_size=16)
+        keys = []
+        for end in range(self.block_chars, min(len(prompt), self.max_prefix_chars) + 1, self.block_chars):
+            h.update(prompt[end - self.block_chars:end].encode())
+            keys.append(h.copy().digest())
+        return keys
 
     def view(self) -> dict:
         """Assignments, popularity and counters, for the cluster view."""
@@ -154,7 +194,7 @@ class Placement:
             "share": {a: round(c / total, 4) for a, c in sorted(self.counts.items())},
             "alora": sorted(self.alora),
             "routed": dict(sorted(self.stats.routed.items())), "affinity": self.stats.affinity,
-            "balanced": self.stats.balanced, "moves": self.stats.moves,
+            "balanced": self.stats.balanced, "moves": self.stats.moves, "prefixes": len(self._homes),
         }
 
     def check_invariants(self) -> None:
@@ -163,6 +203,6 @@ class Placement:
             assert all(0 <= w < self.num_workers for w in workers), (adapter, workers)
 
 
-def _rendezvous(key: str, worker: int) -> int:
-    digest = hashlib.blake2b(f"{worker}\x00{key}".encode(), digest_size=8).digest()
+def _rendezvous(key: bytes, worker: int) -> int:
+    digest = hashlib.blake2b(worker.to_bytes(4, "big") + key, digest_size=8).digest()
     return int.from_bytes(digest, "big")

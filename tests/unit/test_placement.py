@@ -66,14 +66,33 @@ def test_requests_stay_on_the_adapters_workers():
 
 
 def test_the_load_bound_moves_a_request_off_an_overloaded_worker():
-    p = Placement(2, balance_abs=4, balance_rel=1.5)
+    p = Placement(2, balance_abs=2, balance_rel=1.5)
     p.workers_of["a"] = [0, 1]
-    home = p.route("a", "shared prefix", [0, 0])
+    prompt = "shared prefix " * 40
+    home = p.route("a", prompt, [0, 0])
     loads = [0, 0]
+    loads[home] = 2  # within balance_abs of the other: affinity wins
+    assert p.route("a", prompt + "turn 2", loads) == home and p.stats.balanced == 0
     loads[home] = 10
-    assert p.route("a", "shared prefix", loads) == 1 - home and p.stats.balanced == 1
-    loads[home] = 4  # within balance_abs of the other: affinity wins
-    assert p.route("a", "shared prefix", loads) == home
+    other = p.route("a", prompt + "turn 3", loads)
+    assert other == 1 - home and p.stats.balanced == 1
+    assert p.route("a", prompt + "turn 4", [0, 0]) == other  # the prefix's KV is there now
+
+
+def test_an_overloaded_adapter_spills_to_the_least_loaded_worker():
+    p = Placement(3)
+    p.workers_of["a"] = [0]
+    assert p.route("a", "first conversation " * 20, [5, 0, 1]) == 1  # its one worker is overloaded
+    assert p.workers_of["a"] == [0, 1] and p.stats.moves == 1
+    assert p.route("a", "another conversation " * 20, [0, 0, 0]) in (0, 1)  # spread over its workers now
+
+
+def test_short_shared_starts_do_not_pin_conversations_to_one_worker():
+    """A system prompt shared by every conversation is a short share of each first turn: first turns spread."""
+    p = Placement(3)
+    system = "You are a helpful assistant. " * 3
+    workers = {p.route(None, system + f"user {i} asks about topic {i} " * 12, [0, 0, 0]) for i in range(30)}
+    assert workers == {0, 1, 2}
 
 
 def test_alora_requests_go_where_the_base_prefix_is():
