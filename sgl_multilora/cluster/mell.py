@@ -38,7 +38,7 @@ from sgl_multilora.cluster.base import BasePacker
 from sgl_multilora.cluster.cost import MachineOf, MigrationCostModel
 from sgl_multilora.cluster.mell_check import check_packing
 from sgl_multilora.cluster.mell_repair import RepairRules
-from sgl_multilora.cluster.mell_state import Bin, Packing, PackedRequest, Unit
+from sgl_multilora.cluster.mell_state import Bin, PackedRequest, Packing, Unit
 from sgl_multilora.cluster.records import Cls, size_class
 
 L, M, S, T = Cls.L, Cls.M, Cls.S, Cls.T
