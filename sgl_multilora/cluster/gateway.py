@@ -5,8 +5,14 @@ For each generation request it reads the adapter (`lora_path` of `/generate`, or
 and the prompt's start, asks `Placement` (placement.py) for a worker, and forwards the request unchanged to smg with
 smg's own routing header `X-SMG-Target-Worker` (smg runs `--policy consistent_hashing`, the policy that honours
 it). smg does the rest: connections, health, retries, streaming. Every other path goes to smg as is.
-`GET /cluster/stats` is the cluster view: placements, routed counts, and each worker's KV and adapter memory from
-its `/multilora/stats`. Not here: starting processes (launch.py).
+`GET /cluster/stats` is the cluster view: placements, routed counts, moves by kind, workers down, and each worker's
+KV and adapter memory from its `/multilora/stats`. Not here: starting processes (launch.py).
+
+Single-prompt native `/generate` requests (no logprobs) are carried: the gateway streams them from the worker and
+can move them mid-generation, when asked (`POST /cluster/migrate {"rid": ..., "to": worker}`) or when their worker
+fails, by token transfer + recompute; their clients see one stream (carry.py has the protocol). A worker whose
+`/health` stops answering is taken out of routing. `/abort_request` for a carried request reaches the worker that
+runs it now.
 
 Why a layer at all (smg 1.13.0, checked live): its policies key on prompt text only (`lora_path` is not part of
 cache_aware's tree, so it promises affinity across adapters that the workers cannot honour); an OpenAI request
@@ -31,12 +37,13 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from sgl_multilora.cluster.placement import Placement
+from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
+from sgl_multilora.cluster.moves import MovesMixin
+from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
-ROUTED_HEADER = "x-smg-routed-worker-id"
 
 
 def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
@@ -67,7 +74,7 @@ def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
     return adapter, str(prompt), body
 
 
-class Gateway:
+class Gateway(MovesMixin):
     def __init__(self, router_url: str, worker_urls: list[str], placement: Placement) -> None:
         self.router_url, self.worker_urls, self.placement = router_url.rstrip("/"), worker_urls, placement
         self.in_flight = [0] * len(worker_urls)
@@ -75,11 +82,19 @@ class Gateway:
         self.served_model: str | None = None
         self.session: aiohttp.ClientSession | None = None
         self.relearned = 0
+        self.incremental = False  # the workers stream deltas (--incremental-streaming-output)
+        self.carried: dict[str, CarriedRequest] = {}  # rid -> a single-prompt /generate request in flight
+        self.migrations: dict[str, int] = {"recompute": 0, "failover": 0}
+        self.down_events = 0
+        self._relearning: asyncio.Task | None = None
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         await self.learn_order()
         await self.learn_alora()
+        async with self.session.get(self.worker_urls[0] + "/get_server_info") as r:
+            info = await r.json() if r.status == 200 else {}
+        self.incremental = bool(info.get("incremental_streaming_output"))
 
     async def stop(self, app: web.Application) -> None:
         await self.session.close()
@@ -93,16 +108,17 @@ class Gateway:
                   "openai": ("/v1/completions", {"model": self.served_model, "prompt": "ping", "max_tokens": 1})}
         for kind, (path, body) in probes.items():
             found: list[int | None] = [None] * len(self.worker_urls)
-            for index in range(len(self.worker_urls)):
+            for index in range(len(self.worker_urls) - len(self.placement.down)):
                 async with self.session.post(self.router_url + path, json=body,
                                              headers={"X-SMG-Target-Worker": str(index)}) as r:
                     await r.read()
                     url = r.headers.get(ROUTED_HEADER, "").rstrip("/")
                 if url in self.worker_urls:
                     found[self.worker_urls.index(url)] = index
-            if None in found:
+            missing = [w for w, i in enumerate(found) if i is None and w not in self.placement.down]
+            if missing:
                 raise RuntimeError(f"smg at {self.router_url} did not route {path} to every worker by index: {found}")
-            self.smg_index[kind] = found
+            self.smg_index[kind] = [-1 if i is None else i for i in found]
 
     async def learn_alora(self) -> None:
         names: set[str] = set()
@@ -117,6 +133,14 @@ class Gateway:
         raw = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         worker = None
+        if request.method == "POST" and request.path == "/abort_request":
+            try:
+                carried = self.carried.get(str(json.loads(raw or b"{}").get("rid")))
+            except (ValueError, AttributeError):
+                carried = None
+            if carried is not None:  # its worker knows it under the rid of its current segment
+                await carried.client_abort()
+                return web.Response(status=200)
         if request.method == "POST" and request.path in GENERATION_PATHS:
             try:
                 body = json.loads(raw or b"{}")
@@ -124,7 +148,12 @@ class Gateway:
                 body = None
             if isinstance(body, dict):
                 adapter, prompt, body = adapter_and_prompt(request.path, body)
-                worker = self.placement.route(adapter, prompt, self.in_flight)
+                try:
+                    worker = self.placement.route(adapter, prompt, self.in_flight)
+                except NoWorkerError as e:
+                    return web.json_response({"error": {"message": str(e), "code": 503}}, status=503)
+                if request.path == "/generate" and carriable(body):
+                    return await self._carry(request, body, adapter, prompt, worker)
                 raw = json.dumps(body).encode()
                 kind = "native" if request.path == "/generate" else "openai"
                 headers["X-SMG-Target-Worker"] = str(self.smg_index[kind][worker])
@@ -145,12 +174,8 @@ class Gateway:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             await response.write_eof()
-            answered = upstream.headers.get(ROUTED_HEADER, "").rstrip("/")
-        if worker is not None and answered and answered != self.worker_urls[worker]:
-            self.relearned += 1  # smg's order changed (a worker re-registered): learn it again
-            logger.warning("smg answered from %s for worker %s; relearning its worker order", answered,
-                           self.worker_urls[worker])
-            await self.learn_order()
+            if worker is not None:
+                self.check_answered(worker, upstream.headers)
         return response
 
     async def cluster_stats(self, request: web.Request) -> web.Response:
@@ -177,7 +202,9 @@ class Gateway:
 
         workers = await asyncio.gather(*(worker_view(i, u) for i, u in enumerate(self.worker_urls)))
         return web.json_response({"router": self.router_url, "placement": self.placement.view(),
-                                  "relearned_order": self.relearned, "workers": list(workers)})
+                                  "relearned_order": self.relearned, "carried": len(self.carried),
+                                  "migrations": self.migrations, "down": sorted(self.placement.down),
+                                  "down_events": self.down_events, "workers": list(workers)})
 
 
 def make_app(gateway: Gateway) -> web.Application:
@@ -185,6 +212,7 @@ def make_app(gateway: Gateway) -> web.Application:
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
     app.router.add_get("/cluster/stats", gateway.cluster_stats)
+    app.router.add_post("/cluster/migrate", gateway.migrate)
     app.router.add_route("*", "/{tail:.*}", gateway.handle)
     return app
 

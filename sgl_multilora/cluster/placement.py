@@ -19,7 +19,8 @@ model's prefix KV), in a bounded LRU map. A request goes to the worker holding i
 prefix is at least `cache_threshold` of the prompt and the worker is not overloaded (more than `balance_abs` requests
 in flight above the least loaded worker and more than `balance_rel` times its count); otherwise to the least loaded
 of its adapter's workers, or, when even that one is overloaded, to the least loaded worker, which then counts as
-holding the adapter too (the request spills rather than queues).
+holding the adapter too (the request spills rather than queues). A worker marked down (`set_down`) is skipped by
+every rule until it is marked up again.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 SHRINK_SLACK = 1.25  # an adapter gives a worker up only when a 25% larger share would not need it
+
+
+class NoWorkerError(RuntimeError):
+    """Every worker is down or excluded."""
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Placement:
         self.counts: dict[str, float] = {}
         self.workers_of: dict[str, list[int]] = {}
         self.alora: set[str] = set()
+        self.down: set[int] = set()  # workers that failed: nothing is routed to them until they are back
         self.num_arrivals = 0
         self._weight = 1.0
         self.stats = PlacementStats()
@@ -133,27 +139,43 @@ class Placement:
             return list(range(self.num_workers))
         return list(self.workers_of.get(adapter) or range(self.num_workers))
 
-    def route(self, adapter: str | None, prompt: str, in_flight: Sequence[int]) -> int:
+    def set_down(self, worker: int, down: bool = True) -> None:
+        """Takes a failed worker out of routing (or puts it back)."""
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(f"no worker {worker}: the cluster has {self.num_workers}")
+        (self.down.add if down else self.down.discard)(worker)
+
+    def route(self, adapter: str | None, prompt: str, in_flight: Sequence[int], *,
+              exclude: Collection[int] = (), arrival: bool = True) -> int:
         """The worker for one request: observe it, find the worker holding the longest cached prefix of it in its
         namespace, and go there unless the match is short or that worker is overloaded; otherwise the least
         loaded of the adapter's workers, or (when those are all overloaded) the least loaded worker, which then
-        holds the adapter too. `in_flight[w]`: requests worker w is serving now (as the caller counts them)."""
-        self.observe(adapter)
+        holds the adapter too. `in_flight[w]`: requests worker w is serving now (as the caller counts them).
+        Workers that are down or in `exclude` are never chosen (`NoWorkerError` when none is left);
+        `arrival=False` (a request moving on) leaves the popularity counts alone."""
+        up = [w for w in range(self.num_workers) if w not in self.down and w not in exclude]
+        if not up:
+            raise NoWorkerError(f"no worker can take the request: down {sorted(self.down)}, "
+                                f"excluded {sorted(exclude)} of {self.num_workers}")
+        if arrival:
+            self.observe(adapter)
         namespace = "" if adapter is None or adapter in self.alora else adapter
         blocks = self._block_keys(namespace, prompt)
-        least = min(range(self.num_workers), key=lambda w: (in_flight[w], w))
+        least = min(up, key=lambda w: (in_flight[w], w))
         home, matched = None, 0
         for i in range(len(blocks) - 1, -1, -1):  # the longest prefix some worker was sent
             home = self._homes.get(blocks[i])
             if home is not None:
                 matched = (i + 1) * self.block_chars
                 break
+        if home is not None and home not in up:
+            home, matched = None, 0
         share = min(1.0, matched / max(1, len(prompt)))
         if home is not None and share >= self.cache_threshold and not self._overloaded(home, least, in_flight):
             chosen = home
             self.stats.affinity += 1
         else:
-            workers = self.candidates(adapter) if namespace else list(range(self.num_workers))
+            workers = [w for w in (self.candidates(adapter) if namespace else up) if w in up] or up
             tie = blocks[-1] if blocks else prompt.encode()  # spreads new prompts over equally loaded workers
             ranked = sorted(workers, key=lambda w: (in_flight[w], -_rendezvous(tie, w)))
             chosen = ranked[0]

@@ -11,13 +11,18 @@ lists placements and every worker's memory. Stopping the cluster leaves no proce
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 import requests
 
 from tests.conftest import LORA_SERVER_ARGS, REPO
+from tests.oracle import assert_matches, logprob_fields
 
 pytest.importorskip("smg", reason="the router `smg` is not installed (requirements/cpu.lock pins it)")
 
@@ -95,6 +100,81 @@ def test_openai_api_through_cluster(cluster):
         chat(cluster.url, f"{served}:caps").json()["choices"][0]["message"], "the adapter was dropped"
     adapter = chat(cluster.router_url, f"{served}:caps")  # smg alone
     assert adapter.status_code == 404 and "model_not_found" in adapter.text, adapter.text
+
+
+def sse(response: requests.Response) -> Iterator[dict]:
+    """The chunks of a streamed `/generate` answer, until [DONE]."""
+    for line in response.iter_lines():
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)
+
+
+def assert_one_stream(chunks: list[dict], num_tokens: int) -> dict:
+    """Every chunk extends the one before (no gap, no repeated token); the last holds all the tokens."""
+    assert chunks and all("error" not in c for c in chunks), chunks[-1:]
+    for before, after in itertools.pairwise(chunks):
+        n = len(before["output_ids"])
+        assert after["output_ids"][:n] == before["output_ids"], (before["output_ids"], after["output_ids"])
+        assert after["text"].startswith(before["text"]), (before["text"], after["text"])
+    assert len(chunks[-1]["output_ids"]) == num_tokens
+    return chunks[-1]
+
+
+def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, tokenizer, oracle):
+    caps = next(e for e in manifest if e["name"] == "caps")
+    ids = tokenizer(caps["example_input_text"], add_special_tokens=False)["input_ids"]
+    n = 64
+    body = {"input_ids": ids, "lora_path": "caps", **logprob_fields(),
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    chunks, moved = [], None
+    with requests.post(cluster.url + "/generate", json={**body, "rid": "move-me", "stream": True}, stream=True,
+                       timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for chunk in sse(r):
+            chunks.append(chunk)
+            if moved is None and len(chunk["output_ids"]) >= 4:
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me"}, timeout=60)
+                assert moved.status_code == 202, moved.text
+    final = assert_one_stream(chunks, n)
+    src, dst = moved.json()["from"], moved.json()["to"]
+    migrations = final["meta_info"]["migrations"]
+    assert [(m["from"], m["to"], m["kind"]) for m in migrations] == [(src, dst, "recompute")], migrations
+    assert 4 <= migrations[0]["at_token"] < n, migrations  # moved mid-generation, not before or after
+    assert final["meta_info"]["completion_tokens"] == n and final["meta_info"]["prompt_tokens"] == len(ids)
+    direct = requests.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
+    assert final["output_ids"] == direct["output_ids"] and final["text"] == direct["text"]
+    assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), "caps moved mid-generation")
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert view["migrations"]["recompute"] >= 1 and view["carried"] == 0
+    gone = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me"}, timeout=60)
+    assert gone.status_code == 404 and "no running request" in gone.text
+
+
+def test_worker_stopped_mid_request_finishes_elsewhere(cluster):
+    n = 64
+    body = {"text": "Tell a long story about a lighthouse keeper and the sea.",
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    expected = requests.post(cluster.worker_urls[0] + "/generate", json=body, timeout=300).json()
+    chunks = []
+    with requests.post(cluster.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300) as r:
+        victim = cluster.worker_urls.index(r.headers["x-smg-routed-worker-id"].rstrip("/"))
+        for chunk in sse(r):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                os.killpg(cluster.workers[victim].process.pid, signal.SIGKILL)
+    final = assert_one_stream(chunks, n)
+    assert final["output_ids"] == expected["output_ids"] and final["text"] == expected["text"]
+    assert [(m["from"], m["kind"]) for m in final["meta_info"]["migrations"]] == [(victim, "failover")]
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert view["down"] == [victim] and view["migrations"]["failover"] == 1, view
+    survivor = cluster.worker_urls[1 - victim]
+    for i in range(3):  # new requests go to the worker that is left
+        res = requests.post(cluster.url + "/generate", timeout=300, json={
+            "text": f"Question {i}: name a river.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert res.status_code == 200 and res.headers["x-smg-routed-worker-id"].rstrip("/") == survivor, res.text
 
 
 def test_stop_leaves_no_process(cluster):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
-from sgl_multilora.cluster.placement import Placement
+import pytest
+
+from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 IDLE = [0] * 4
 
@@ -103,3 +105,23 @@ def test_alora_requests_go_where_the_base_prefix_is():
         context = f"document {i} " * 50
         base = p.route(None, context, IDLE)
         assert p.route("check", context + "<check>", IDLE) == base
+
+
+def test_down_and_excluded_workers_are_never_chosen_and_come_back():
+    p = Placement(3)
+    prompt = "a shared system prompt " * 20
+    home = p.route("a", prompt, [0, 0, 0])
+    assert p.route("a", prompt, [0, 0, 0]) == home  # affinity
+    p.set_down(home)
+    others = {p.route("a", prompt, [0, 0, 0]) for _ in range(5)}
+    assert home not in others and len(others) == 1  # the prefix moved with the request and stays there
+    moved_to = others.pop()
+    arrivals = p.num_arrivals
+    rest = p.route("a", prompt, [0, 0, 0], exclude=(moved_to,), arrival=False)
+    assert rest not in (home, moved_to) and p.num_arrivals == arrivals  # a move is not an arrival
+    with pytest.raises(NoWorkerError, match="down"):
+        p.route(None, "x", [0, 0, 0], exclude=(0, 1, 2))
+    p.set_down(home, False)
+    assert home in {p.route(None, f"new prompt {i}", [0, 0, 0]) for i in range(30)}
+    with pytest.raises(ValueError, match="no worker 7"):
+        p.set_down(7)

@@ -1,0 +1,304 @@
+"""Native `/generate` requests the gateway carries itself, so that they can move between workers mid-generation.
+
+Lives here: `carriable` (which requests can move) and `CarriedRequest` (one request's stream, its moves, and what
+its client sees). Not here: choosing workers (placement.py), the HTTP front (gateway.py).
+
+A carried request is one prompt (`text` a string or `input_ids` a flat list of ints) without input logprobs
+(`logprob_start_len` >= 0: the prompt of a continuation is another); output logprobs are joined like the tokens. Whatever the client asked, the gateway streams it from its worker through smg
+and keeps what the worker has produced so far: SGLang's stream repeats the whole output in every chunk
+(`output_ids` and `text` cumulative; with `--incremental-streaming-output` each chunk is a delta, also handled).
+The client gets the same stream, or the final object if it did not ask for a stream.
+
+A move is token transfer + recompute:
+  1. the request is aborted at its worker (`/abort_request` with its rid, sent to that worker);
+  2. every token the worker produced up to the abort is kept (the abort's last chunk carries them);
+  3. the destination gets `input_ids = prompt ids + output so far`, the same sampling parameters with
+     `max_new_tokens` (and `min_new_tokens`) reduced by the tokens already out, and the same adapter;
+  4. the destination's chunks reach the client as continuations: output ids and text appended to what it has,
+     `completion_tokens` counted over both segments, `prompt_tokens` its own prompt's.
+The client sees one stream without a gap or a repeated token, and `meta_info["migrations"]` lists the moves.
+Moves happen when asked (`POST /cluster/migrate`) and when the worker fails mid-request (the connection drops or
+smg answers 5xx and the worker's `/health` does not answer): the request then finishes on another worker, or
+ends with an error naming the failures after `MAX_FAILOVERS` of them. The prompt's ids come from the destination's
+`/tokenize`, the tokenizer SGLang applies to `text`. Greedy decoding gives the tokens one worker gives (tested).
+Limits: text is joined per segment, so a character whose bytes straddle a move, or a stop string that does,
+is not seen whole; moving the cached KV itself instead of recomputing it (MELL's KV transfer) is not done here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from sgl_multilora.cluster.gateway import Gateway
+
+logger = logging.getLogger("sgl_multilora.cluster.carry")
+MAX_FAILOVERS = 3
+ROUTED_HEADER = "x-smg-routed-worker-id"  # smg's answer header: the worker that served a request
+OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+HEALTH_TIMEOUT_S = 5.0
+
+
+def carriable(body: dict) -> bool:
+    """One prompt, no input logprobs, no batch: the requests a move can continue exactly."""
+    text, ids = body.get("text"), body.get("input_ids")
+    one_prompt = (isinstance(text, str) and ids is None) or (
+        text is None and isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids))
+    params = body.get("sampling_params") or {}
+    start = body.get("logprob_start_len")
+    input_logprobs = bool(body.get("return_logprob")) and (isinstance(start, list) or (start is not None
+                                                                                      and int(start) >= 0))
+    return (one_prompt and isinstance(params, dict) and int(params.get("n", 1) or 1) == 1
+            and not input_logprobs
+            and not isinstance(body.get("rid"), list)
+            and not body.get("input_embeds") and not body.get("image_data") and not body.get("session_params"))
+
+
+class CarriedRequest:
+    """One request's life through the gateway: segments on one worker each, joined for its client."""
+
+    def __init__(self, gateway: Gateway, body: dict, worker: int, adapter: str | None, prompt: str) -> None:
+        self.gw, self.adapter, self.prompt = gateway, adapter, prompt
+        self.body = body
+        self.rid = str(body.get("rid") or uuid.uuid4().hex)
+        self.client_stream = bool(body.get("stream"))
+        self.worker = worker
+        self.upstream_rid = self.rid
+        self.prompt_ids: list[int] | None = list(body["input_ids"]) if body.get("input_ids") is not None else None
+        self.done_ids: list[int] = []  # output of finished segments
+        self.done_text = ""
+        self.seg_ids: list[int] = []  # output of the running segment (cumulative)
+        self.seg_text = ""
+        self.done_lp: dict[str, list] = {k: [] for k in OUTPUT_LOGPROBS}  # output logprobs, as the ids
+        self.seg_lp: dict[str, list] = {}
+        self.last: dict | None = None  # the last chunk given to the client (or kept for it)
+        self.migrations: list[dict] = []
+        self.move_to: int | None = None  # asked for, not done yet
+        self.client_aborted = False
+        self.failures: list[str] = []
+        self.response: web.StreamResponse | None = None
+        self.request: web.Request | None = None
+        self.finish_reason: dict | None = None  # of the running segment's last chunk
+        self.answered_by = ""  # smg's header naming the worker that answered the running segment
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        self.request = request
+        while True:
+            outcome, error = await self._segment(request)
+            if outcome == "error":  # the first segment's 4xx (bad input): the client gets SGLang's answer as is
+                return error
+            if outcome == "finished":
+                break
+            self.done_ids += self.seg_ids
+            self.done_text += self.seg_text
+            for k, v in self.seg_lp.items():
+                self.done_lp[k] += v
+            self.seg_ids, self.seg_text, self.seg_lp = [], "", {}
+            src = self.worker
+            if outcome == "failed":
+                dst = self._failover_target()
+                if dst is None:
+                    await self._end_with_error(
+                        f"request {self.rid}: its worker failed and no other could continue it "
+                        f"({'; '.join(self.failures)})")
+                    break
+                kind = "failover"
+            else:
+                dst, self.move_to, kind = self.move_to, None, "recompute"
+            if self._left() <= 0:  # every token was out before the move took effect
+                await self._emit(request, self._final_without_move())
+                break
+            if self.prompt_ids is None:
+                self.prompt_ids = await self._tokenize(dst)
+            self.migrations.append({"from": src, "to": dst, "kind": kind, "at_token": len(self.done_ids)})
+            self.gw.count_migration(kind, src, dst)
+            self.worker = dst
+            self.finish_reason = None
+            self.upstream_rid = f"m{len(self.migrations)}-{self.rid}"
+        if self.client_stream:
+            await self.response.write(b"data: [DONE]\n\n")
+            await self.response.write_eof()
+            return self.response
+        return web.json_response(self.last or {}, status=200, headers=self._headers())
+
+    def _headers(self) -> dict:
+        return {ROUTED_HEADER: self.answered_by} if self.answered_by else {}
+
+    async def ask_move(self, dst: int) -> None:
+        """Moves the request to worker `dst` at the next chunk (aborts it where it runs)."""
+        self.move_to = dst
+        await self._abort_upstream()
+
+    async def client_abort(self) -> None:
+        self.client_aborted = True
+        await self._abort_upstream()
+
+    # ---- one segment ----------------------------------------------------------------------------------------------
+
+    def _segment_body(self) -> dict:
+        body = copy.deepcopy(self.body)
+        body["stream"], body["rid"] = True, self.upstream_rid
+        if self.migrations:
+            body.pop("text", None)
+            body["input_ids"] = self.prompt_ids + self.done_ids
+            params = body.setdefault("sampling_params", {})
+            params["max_new_tokens"] = self._left()
+            if params.get("min_new_tokens"):
+                params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - len(self.done_ids))
+        return body
+
+    def _left(self) -> int:
+        params = self.body.get("sampling_params") or {}
+        total = params.get("max_new_tokens")
+        total = 128 if total is None else int(total)  # SGLang's default
+        return total - len(self.done_ids)
+
+    async def _segment(self, request: web.Request) -> tuple[str, web.Response | None]:
+        """'finished', 'moved', 'failed' (the worker is gone), or 'error' with the worker's 4xx answer."""
+        headers = {"X-SMG-Target-Worker": str(self.gw.smg_index["native"][self.worker]),
+                   "Content-Type": "application/json"}
+        try:
+            async with self.gw.session.post(self.gw.router_url + "/generate", json=self._segment_body(),
+                                            headers=headers) as up:
+                if up.status != 200:
+                    text = await up.text()
+                    if up.status < 500 and not self.migrations and self.last is None:
+                        return "error", web.Response(status=up.status, text=text,
+                                                     content_type=up.content_type or "application/json")
+                    if up.status < 500:
+                        await self._end_with_error(f"worker {self.worker} answered {up.status}: {text[:500]}")
+                        return "finished", None
+                    return await self._failed(f"worker {self.worker}: HTTP {up.status} {text[:200]}"), None
+                self.gw.check_answered(self.worker, up.headers)
+                self.answered_by = up.headers.get(ROUTED_HEADER, "")
+                buffer = b""
+                async for piece in up.content.iter_any():
+                    buffer += piece
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        outcome = await self._on_event(request, event.strip())
+                        if outcome is not None:
+                            return outcome, None
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return await self._failed(f"worker {self.worker}: {type(e).__name__} {e}"), None
+        return (await self._failed(f"worker {self.worker}: the stream ended without [DONE]")
+                if self.move_to is None else "moved"), None
+
+    async def _on_event(self, request: web.Request, event: bytes) -> str | None:
+        if not event.startswith(b"data:"):
+            return None
+        data = event[5:].strip()
+        if data == b"[DONE]":
+            ours = (self.move_to is not None and not self.client_aborted
+                    and (self.finish_reason or {}).get("type") == "abort")
+            return "moved" if ours else "finished"
+        out = json.loads(data)
+        if "error" in out:
+            if self.move_to is None and not self.client_aborted and not await self.gw.worker_alive(self.worker):
+                self.failures.append(f"worker {self.worker}: {out['error']}")
+                return "failed"  # the proxy's word for a worker that went away
+            await self._emit(request, out)
+            return "finished"
+        meta = out.get("meta_info") or {}
+        if self.gw.incremental:
+            self.seg_ids += list(out.get("output_ids") or [])
+            self.seg_text += out.get("text") or ""
+            for k in OUTPUT_LOGPROBS:
+                if meta.get(k):
+                    self.seg_lp.setdefault(k, []).extend(meta[k])
+        else:
+            self.seg_ids, self.seg_text = list(out.get("output_ids") or []), out.get("text") or ""
+            self.seg_lp = {k: list(meta[k]) for k in OUTPUT_LOGPROBS if meta.get(k) is not None}
+        reason = meta.get("finish_reason") or {}
+        self.finish_reason = reason if isinstance(reason, dict) else {"type": str(reason)}
+        if isinstance(reason, dict) and reason.get("type") == "abort" and self.move_to is not None \
+                and not self.client_aborted:
+            return None  # our own abort: its tokens are kept, the chunk is not the client's
+        await self._emit(request, self._joined(out))
+        return None
+
+    def _joined(self, out: dict) -> dict:
+        """The worker's chunk as the client's: output and counts over every segment."""
+        if not self.migrations:
+            return out
+        out = dict(out)
+        meta = dict(out.get("meta_info") or {})
+        if self.gw.incremental:
+            out["output_ids"], out["text"] = list(out.get("output_ids") or []), out.get("text") or ""
+        else:
+            out["output_ids"], out["text"] = self.done_ids + self.seg_ids, self.done_text + self.seg_text
+            for k, v in self.seg_lp.items():
+                meta[k] = self.done_lp[k] + v
+        meta["id"] = self.rid
+        meta["prompt_tokens"] = len(self.prompt_ids)
+        meta["completion_tokens"] = len(self.done_ids) + len(self.seg_ids)
+        meta["migrations"] = self.migrations
+        out["meta_info"] = meta
+        return out
+
+    async def _emit(self, request: web.Request, out: dict) -> None:
+        self.last = out
+        if not self.client_stream:
+            return
+        if self.response is None:
+            self.response = web.StreamResponse(status=200, headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()})
+            await self.response.prepare(request)
+        await self.response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+
+    # ---- moves and failures ---------------------------------------------------------------------------------------
+
+    async def _abort_upstream(self) -> None:
+        url = self.gw.worker_urls[self.worker]
+        try:
+            async with self.gw.session.post(url + "/abort_request", json={"rid": self.upstream_rid},
+                                            timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                await r.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            logger.warning("abort of %s at %s failed: %s", self.upstream_rid, url, e)
+
+    async def _failed(self, why: str) -> str:
+        if self.client_aborted:
+            return "finished"
+        if self.move_to is not None:
+            return "moved"  # the abort closed the stream early
+        self.failures.append(why)
+        if await self.gw.worker_alive(self.worker):
+            # the worker answers its health check: treat as a transient failure of this stream and go elsewhere
+            logger.warning("request %s lost its stream (%s); the worker is up, continuing elsewhere", self.rid, why)
+        return "failed"
+
+    def _failover_target(self) -> int | None:
+        if len(self.failures) > MAX_FAILOVERS:
+            return None
+        return self.gw.pick_other(self.adapter, self.prompt, exclude=self.worker)
+
+    async def _tokenize(self, worker: int) -> list[int]:
+        async with self.gw.session.post(self.gw.worker_urls[worker] + "/tokenize",
+                                        json={"prompt": self.body["text"]}) as r:
+            r.raise_for_status()
+            return list((await r.json())["tokens"])
+
+    async def _end_with_error(self, message: str) -> None:
+        logger.error(message)
+        self.last = {"error": {"message": message, "type": "server_error", "code": 503, "retryable": True}}
+        if self.client_stream:
+            if self.response is None:
+                self.response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+                await self.response.prepare(self.request)
+            await self.response.write(b"data: " + json.dumps(self.last).encode() + b"\n\n")
+
+    def _final_without_move(self) -> dict:
+        meta = dict((self.last or {}).get("meta_info") or {})
+        meta.update(id=self.rid, finish_reason={"type": "length", "length": len(self.done_ids)},
+                    completion_tokens=len(self.done_ids), migrations=self.migrations)
+        return {"text": self.done_text, "output_ids": self.done_ids, "meta_info": meta}
