@@ -183,8 +183,9 @@ def report(record: dict) -> str:
             lines += [f"Placement (last repeat): routed per worker {p['routed']}, affinity {p['affinity']}, "
                       f"balanced {p['balanced']}, replica moves {p['moves']}; adapters on 2+ workers: "
                       f"{sum(len(w) > 1 for w in p['workers_of'].values())} of {len(p['workers_of'])}.", ""]
-    lines += ["Migrations: none (MELL's live migration of running requests is not implemented; its packing is "
-              "simulated in eval/results/sim_mell.md)."]
+    lines += [("Migrations: none in these replays (running requests move on `POST /cluster/migrate` and when a worker "
+               "fails, see eval/results/migration_cost.md and cluster_failover.md; MELL's packing, which would decide "
+               "moves, is simulated in eval/results/sim_mell.md).")]
     return "\n".join(lines) + "\n"
 
 

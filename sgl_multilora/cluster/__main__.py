@@ -33,6 +33,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="an extra `smg launch` argument (repeat, e.g. --router-arg=--cache-threshold "
                              "--router-arg=0.5)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="times a worker that exits is started again before the cluster stops (default: 3; "
+                             "with lora_aware its running requests continue on the other workers meanwhile)")
     args = parser.parse_args(own)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
@@ -66,12 +69,22 @@ def main(argv: list[str] | None = None) -> int:
             for url in cluster.worker_urls:
                 print(f"worker  {url}")
             print("Ctrl-C stops the cluster", flush=True)
-            while not cluster.exited():
+            restarts = [0] * len(cluster.workers)
+            while True:
                 time.sleep(1.0)
-            handle = cluster.exited()[0]
-            print(f"error: {handle.url} exited with code {handle.process.returncode}; log {handle.log_path}:\n"
-                  f"{handle.log_tail()}", file=sys.stderr)
-            return 1
+                exited = cluster.exited()
+                if not exited:
+                    continue
+                handle = exited[0]
+                print(f"error: {handle.url} exited with code {handle.process.returncode}; log {handle.log_path}:\n"
+                      f"{handle.log_tail()}", file=sys.stderr, flush=True)
+                if handle not in cluster.workers or restarts[cluster.workers.index(handle)] >= args.max_restarts:
+                    return 1
+                index = cluster.workers.index(handle)
+                restarts[index] += 1
+                print(f"restarting worker {index} ({restarts[index]} of {args.max_restarts})", flush=True)
+                cluster.restart_worker(index)
+                print(f"worker  {handle.url}  is back", flush=True)
     except ClusterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -61,6 +61,10 @@ def carriable(body: dict) -> bool:
             and not body.get("input_embeds") and not body.get("image_data") and not body.get("session_params"))
 
 
+class ClientGone(Exception):
+    """The client closed its connection: the request ends (its worker sees the upstream connection close)."""
+
+
 class CarriedRequest:
     """One request's life through the gateway: segments on one worker each, joined for its client."""
 
@@ -92,6 +96,13 @@ class CarriedRequest:
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         self.request = request
+        try:
+            return await self._run(request)
+        except ClientGone:
+            logger.info("request %s: the client went away", self.rid)
+            return self.response
+
+    async def _run(self, request: web.Request) -> web.StreamResponse:
         while True:
             outcome, error = await self._segment(request)
             if outcome == "error":  # the first segment's 4xx (bad input): the client gets SGLang's answer as is
@@ -253,7 +264,10 @@ class CarriedRequest:
             self.response = web.StreamResponse(status=200, headers={
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()})
             await self.response.prepare(request)
-        await self.response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+        try:
+            await self.response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+        except ConnectionResetError as e:  # aiohttp's is also a ClientError: not the worker's failure
+            raise ClientGone(str(e)) from e
 
     # ---- moves and failures ---------------------------------------------------------------------------------------
 

@@ -95,8 +95,10 @@ class Gateway(MovesMixin):
         async with self.session.get(self.worker_urls[0] + "/get_server_info") as r:
             info = await r.json() if r.status == 200 else {}
         self.incremental = bool(info.get("incremental_streaming_output"))
+        self._watching = asyncio.create_task(self.watch_down())
 
     async def stop(self, app: web.Application) -> None:
+        self._watching.cancel()
         await self.session.close()
 
     async def learn_order(self) -> None:

@@ -208,6 +208,14 @@ class Cluster:
                                    f"log {self.router.log_path}:\n{self.router.log_tail()}")
             time.sleep(0.5)
 
+    def restart_worker(self, index: int) -> None:
+        """Starts worker `index` again with its own command (after it stopped or failed) and waits until it serves.
+        The router and the gateway take it back once their health checks see it (`set_policy` restarts them)."""
+        old = self.workers[index]
+        old.stop()
+        self.workers[index] = _spawn(old.command, old.log_path, old.url, self.env)
+        self._wait([self.workers[index]], "/health_generate", "worker")
+
     def exited(self) -> list[ServerHandle]:
         """The processes that have exited (empty while the whole cluster runs)."""
         return [h for h in [*self.workers, *(h for h in (self.router, self.gateway) if h)] if not h.alive()]

@@ -36,6 +36,26 @@ class MovesMixin:
                          self.worker_urls[worker])
         return alive
 
+    async def watch_down(self, interval_s: float = 5.0) -> None:
+        """Puts a down worker back into routing once its `/health` answers again (smg's order is relearned)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for worker in sorted(self.placement.down):
+                try:
+                    async with self.session.get(self.worker_urls[worker] + "/health",
+                                                timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                        back = r.status == 200
+                except (TimeoutError, aiohttp.ClientError):
+                    back = False
+                if back:
+                    self.placement.set_down(worker, False)
+                    logger.warning("worker %d (%s) is back", worker, self.worker_urls[worker])
+                    try:
+                        await self.learn_order()
+                    except RuntimeError as e:  # smg has not taken it back yet: out again until it does
+                        logger.warning("%s", e)
+                        self.placement.set_down(worker)
+
     def pick_other(self, adapter: str | None, prompt: str, exclude: int) -> int | None:
         """Where a moving request goes: placement's choice among the other workers that are up."""
         try:

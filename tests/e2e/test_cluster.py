@@ -153,7 +153,7 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
     assert gone.status_code == 404 and "no running request" in gone.text
 
 
-def test_worker_stopped_mid_request_finishes_elsewhere(cluster):
+def test_worker_stopped_mid_request_finishes_elsewhere_and_comes_back(cluster):
     n = 64
     body = {"text": "Tell a long story about a lighthouse keeper and the sea.",
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
@@ -175,6 +175,19 @@ def test_worker_stopped_mid_request_finishes_elsewhere(cluster):
         res = requests.post(cluster.url + "/generate", timeout=300, json={
             "text": f"Question {i}: name a river.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert res.status_code == 200 and res.headers["x-smg-routed-worker-id"].rstrip("/") == survivor, res.text
+
+    cluster.restart_worker(victim)  # back: the gateway sees its health and routes to it again
+    deadline = time.monotonic() + 120
+    while requests.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert requests.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] == []
+    routed = set()
+    for i in range(12):
+        res = requests.post(cluster.url + "/generate", timeout=300, json={
+            "text": f"Question {i}: name a mountain in country {i}.", "sampling_params": {"max_new_tokens": 2}})
+        assert res.status_code == 200, res.text
+        routed.add(res.headers["x-smg-routed-worker-id"].rstrip("/"))
+    assert routed == set(cluster.worker_urls), f"the restarted worker gets no traffic: {routed}"
 
 
 def test_stop_leaves_no_process(cluster):
