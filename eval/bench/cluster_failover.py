@@ -15,11 +15,8 @@ Usage: .venv/bin/python -m eval.bench.cluster_failover [--workers 3] [--repeats 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import signal
-import statistics
 import threading
 from pathlib import Path
 
@@ -27,7 +24,7 @@ import requests
 from tqdm import tqdm
 
 from eval.bench.cluster_live import WORKLOAD_PARAMS
-from eval.bench.results import save
+from eval.bench.results import median_range, run_record, save
 from eval.bench.unified_memory import make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
@@ -99,25 +96,14 @@ def main(argv=None) -> None:
                 bar.write(f"rep {rep} {arm:11s} failed {row['num_failed']} of {row.get('num_requests', '?')}, "
                           f"mean TTFT {row.get('mean_ttft_s', float('nan')):.2f} s, moves {row.get('moves', '-')}")
                 bar.update(1)
-    record = {
-        "setup": {"workers": args.workers, "arms": list(ARMS), "kill_at_s": args.kill_at, "victim": VICTIM,
+    setup = {"workers": args.workers, "arms": list(ARMS), "kill_at_s": args.kill_at, "victim": VICTIM,
                   "workload": {"chatbot": WORKLOAD_PARAMS["chatbot"]}, "repeats": args.repeats, "seed": args.seed,
                   "max_total_tokens": args.max_total_tokens, "worker_args": worker_args[2:], "router": "smg 1.13.0",
                   "protocol": "per replay: front restarted with the arm's policy, caches flushed, worker 0 killed "
-                              "(SIGKILL) at kill_at_s, restarted after the replay; arm order alternating per repeat"},
-        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
-                   "load_avg_end": list(os.getloadavg())},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-    }
+                              "(SIGKILL) at kill_at_s, restarted after the replay; arm order alternating per repeat"}
+    record = run_record(setup, rows, load_start)
     save(args.out, record, report)
 
-
-def _spread(values, fmt="{:.2f}") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def report(record: dict) -> str:
@@ -130,9 +116,9 @@ def report(record: dict) -> str:
     for arm in s["arms"]:
         rs = [r for r in rows if r["arm"] == arm]
         moves = [r.get("moves") for r in rs if r.get("moves") is not None]
-        lines.append(f"| {arm} | {_spread([r.get('num_requests') for r in rs], '{:.0f}')} | "
-                     f"{_spread([r['num_failed'] for r in rs], '{:.0f}')} | "
-                     f"{_spread([r.get('mean_ttft_s') for r in rs])} | {_spread([r.get('p99_ttft_s') for r in rs])} | "
+        lines.append(f"| {arm} | {median_range([r.get('num_requests') for r in rs], '{:.0f}')} | "
+                     f"{median_range([r['num_failed'] for r in rs], '{:.0f}')} | "
+                     f"{median_range([r.get('mean_ttft_s') for r in rs])} | {median_range([r.get('p99_ttft_s') for r in rs])} | "
                      f"{'; '.join(str(m) for m in moves) if moves else '-'} |")
     lines += ["", ("TTFT covers the requests that succeeded, so the arms' TTFTs are not comparable: smg alone drops the "
                    "failed requests' work, which lightens the load on the rest, while the gateway finishes every request "

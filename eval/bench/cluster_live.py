@@ -20,17 +20,14 @@ Usage: .venv/bin/python -m eval.bench.cluster_live [--workers 3] [--workloads ch
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import statistics
 import time
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
-from eval.bench.results import save
+from eval.bench.results import median_range, run_record, save
 from eval.bench.unified_memory import make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
@@ -124,26 +121,15 @@ def main(argv=None) -> None:
                               f"{r.get('cached_token_share', 0):.0%} failed {r['num_failed']} KV evicted "
                               f"{r['kv_evicted_tokens']} adapter loads {r['adapter_loads']}")
                     bar.update(1)
-    record = {
-        "setup": {"workers": args.workers, "arms": arms, "workloads": {n: WORKLOAD_PARAMS[n] for n in names},
+    setup = {"workers": args.workers, "arms": arms, "workloads": {n: WORKLOAD_PARAMS[n] for n in names},
                   "max_total_tokens": args.max_total_tokens, "max_loras_per_batch": args.max_loras_per_batch,
                   "repeats": args.repeats, "seed": args.seed, "adapters": len(first.adapters),
                   "worker_args": worker_args[2:], "router": "smg 1.13.0",
                   "protocol": "workers up for the whole run; per arm the front restarts; caches flushed per "
-                              "replay; arm order rotating per repeat"},
-        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
-                   "load_avg_end": list(os.getloadavg())},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-    }
+                              "replay; arm order rotating per repeat"}
+    record = run_record(setup, rows, load_start)
     save(args.out, record, report)
 
-
-def _spread(values, fmt="{:.2f}") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 METRICS = (("mean TTFT s", "mean_ttft_s", "{:.2f}"), ("P99 TTFT s", "p99_ttft_s", "{:.2f}"),
@@ -165,7 +151,7 @@ def report(record: dict) -> str:
         lines += [f"## {workload}", "", "| metric | " + " | ".join(s["arms"]) + " | per-repeat ratio to lora_aware |",
                   "|---|" + "---:|" * len(s["arms"]) + "---|"]
         for label, key, fmt in METRICS:
-            cells = [_spread([by[(workload, a, r)].get(key) for r in reps if (workload, a, r) in by], fmt)
+            cells = [median_range([by[(workload, a, r)].get(key) for r in reps if (workload, a, r) in by], fmt)
                      for a in s["arms"]]
             ratios = []
             for a in s["arms"][1:]:
@@ -173,7 +159,7 @@ def report(record: dict) -> str:
                        if (workload, a, r) in by and by.get((workload, "lora_aware", r), {}).get(key)
                        and by[(workload, a, r)].get(key) is not None]
                 if per:
-                    ratios.append(f"{a} {_spread(per)}")
+                    ratios.append(f"{a} {median_range(per)}")
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {'; '.join(ratios) or '-'} |")
         lines.append("")
         placements = [by[(workload, "lora_aware", r)].get("placement") for r in reps

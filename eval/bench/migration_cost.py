@@ -19,11 +19,9 @@ Usage: .venv/bin/python -m eval.bench.migration_cost [--lengths 256,1024,2048] [
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from eval.bench.results import save
+from eval.bench.results import median_range, run_record, save
 from eval.workloads.text import words
 from sgl_multilora.cluster.launch import Cluster
 from sgl_multilora.server import cpu_server_args
@@ -126,24 +124,13 @@ def main(argv=None) -> None:
                       f"{row['stay_e2e_s']:.2f} s move {row['move_e2e_s']:.2f} s, tokens equal {row['tokens_equal']}")
             bar.update(1)
         moves = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["migrations"]
-    record = {
-        "setup": {"workers": 2, "lengths": lengths, "new_tokens": args.new_tokens, "move_after": args.move_after,
+    setup = {"workers": 2, "lengths": lengths, "new_tokens": args.new_tokens, "move_after": args.move_after,
                   "repeats": args.repeats, "adapters": ["base", ADAPTER], "max_total_tokens": args.max_total_tokens,
                   "worker_args": worker_args[2:], "router": "smg 1.13.0", "migrations_counted": moves,
-                  "protocol": "fresh prompt per request; arms alternate order per repeat; one request at a time"},
-        "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
-                   "load_avg_end": list(os.getloadavg())},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-    }
+                  "protocol": "fresh prompt per request; arms alternate order per repeat; one request at a time"}
+    record = run_record(setup, rows, load_start)
     save(args.out, record, report)
 
-
-def _spread(values, fmt="{:.2f}") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def report(record: dict) -> str:
@@ -160,10 +147,10 @@ def report(record: dict) -> str:
             if not rs:
                 continue
             ratio = [r["move_stall_s"] / r["stay_ttft_s"] for r in rs]
-            lines.append(f"| {length} | {adapter} | {_spread([r['stay_ttft_s'] for r in rs])} | "
-                         f"{_spread([r['move_stall_s'] for r in rs])} | {_spread(ratio)} | "
-                         f"{_spread([r['stay_median_gap_s'] for r in rs], '{:.3f}')} | "
-                         f"{_spread([r['stay_e2e_s'] for r in rs])} | {_spread([r['move_e2e_s'] for r in rs])} | "
+            lines.append(f"| {length} | {adapter} | {median_range([r['stay_ttft_s'] for r in rs])} | "
+                         f"{median_range([r['move_stall_s'] for r in rs])} | {median_range(ratio)} | "
+                         f"{median_range([r['stay_median_gap_s'] for r in rs], '{:.3f}')} | "
+                         f"{median_range([r['stay_e2e_s'] for r in rs])} | {median_range([r['move_e2e_s'] for r in rs])} | "
                          f"{sum(r['tokens_equal'] for r in rs)}/{len(rs)} |")
     lines += ["", f"Moves counted by the gateway: {s['migrations_counted']}."]
     return "\n".join(lines) + "\n"

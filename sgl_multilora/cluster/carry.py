@@ -31,13 +31,10 @@ import copy
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
-
-if TYPE_CHECKING:
-    from sgl_multilora.cluster.gateway import Gateway
 
 logger = logging.getLogger("sgl_multilora.cluster.carry")
 MAX_FAILOVERS = 3
@@ -61,6 +58,21 @@ def carriable(body: dict) -> bool:
             and not body.get("input_embeds") and not body.get("image_data") and not body.get("session_params"))
 
 
+class Front(Protocol):
+    """What a carried request needs from the gateway that carries it (gateway.py, moves.py)."""
+
+    session: aiohttp.ClientSession
+    router_url: str
+    worker_urls: list[str]
+    smg_index: dict[str, list[int]]
+    incremental: bool
+
+    def check_answered(self, worker: int, headers) -> None: ...
+    async def worker_alive(self, worker: int) -> bool: ...
+    def pick_other(self, adapter: str | None, prompt: str, exclude: int) -> int | None: ...
+    def count_migration(self, kind: str, src: int, dst: int) -> None: ...
+
+
 class ClientGone(Exception):
     """The client closed its connection: the request ends (its worker sees the upstream connection close)."""
 
@@ -68,7 +80,7 @@ class ClientGone(Exception):
 class CarriedRequest:
     """One request's life through the gateway: segments on one worker each, joined for its client."""
 
-    def __init__(self, gateway: Gateway, body: dict, worker: int, adapter: str | None, prompt: str) -> None:
+    def __init__(self, gateway: Front, body: dict, worker: int, adapter: str | None, prompt: str) -> None:
         self.gw, self.adapter, self.prompt = gateway, adapter, prompt
         self.body = body
         self.rid = str(body.get("rid") or uuid.uuid4().hex)

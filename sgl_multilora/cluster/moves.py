@@ -21,14 +21,17 @@ class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
     relearned, _relearning and learn_order()."""
 
-    async def worker_alive(self, worker: int) -> bool:
-        """Asks the worker's `/health`; one that does not answer is marked down (nothing is routed to it)."""
+    async def _healthy(self, worker: int) -> bool:
         try:
             async with self.session.get(self.worker_urls[worker] + "/health",
                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                alive = r.status == 200
+                return r.status == 200
         except (TimeoutError, aiohttp.ClientError):
-            alive = False
+            return False
+
+    async def worker_alive(self, worker: int) -> bool:
+        """Asks the worker's `/health`; one that does not answer is marked down (nothing is routed to it)."""
+        alive = await self._healthy(worker)
         if not alive and worker not in self.placement.down:
             self.placement.set_down(worker)
             self.down_events += 1
@@ -41,13 +44,7 @@ class MovesMixin:
         while True:
             await asyncio.sleep(interval_s)
             for worker in sorted(self.placement.down):
-                try:
-                    async with self.session.get(self.worker_urls[worker] + "/health",
-                                                timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                        back = r.status == 200
-                except (TimeoutError, aiohttp.ClientError):
-                    back = False
-                if back:
+                if await self._healthy(worker):
                     self.placement.set_down(worker, False)
                     logger.warning("worker %d (%s) is back", worker, self.worker_urls[worker])
                     try:
