@@ -61,6 +61,16 @@ def stream(args) -> Iterator[tuple[int, list[int], list[int]]]:
         yield conv_adapter[c], prompt, full
 
 
+
+def radix_cache_nodes(cache) -> int:
+    """Nodes of SGLang's `RadixCache` below its root."""
+    count, stack = -1, [cache.root_node]
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(node.children.values())
+    return count
+
 class Stock:
     def __init__(self, args) -> None:
         import torch
@@ -97,12 +107,7 @@ class Stock:
         cache.dec_lock_ref(node)
 
     def num_nodes(self) -> int:
-        count, stack = -1, [self.cache.root_node]
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(node.children.values())
-        return count
+        return radix_cache_nodes(self.cache)
 
 
 class Ours:

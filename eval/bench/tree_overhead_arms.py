@@ -34,6 +34,8 @@ from contextlib import contextmanager
 
 import torch
 
+from eval.bench.pool_cost import radix_cache_nodes
+
 KV_HEADS, KV_HEAD_DIM, KV_LAYERS = 1, 8, 1
 ADAPTER_HIDDEN = 104  # rank r takes 2 * r * 104 / 16 = 13 r slots: a Llama-3-8B q/k/v/o adapter in its KV tokens
 MAX_CONTEXT = 16384
@@ -315,12 +317,7 @@ class Driver:
     def num_nodes(self) -> int:
         if self.arm != "stock":
             return self.cache.tree.stats().num_kv_nodes
-        count, stack = -1, [self.cache.root_node]
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(node.children.values())
-        return count
+        return radix_cache_nodes(self.cache)
 
     def num_locked_nodes(self) -> int:
         if self.arm != "stock":

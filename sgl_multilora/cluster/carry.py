@@ -109,14 +109,14 @@ class CarriedRequest:
     async def run(self, request: web.Request) -> web.StreamResponse:
         self.request = request
         try:
-            return await self._run(request)
+            return await self._run()
         except ClientGone:
             logger.info("request %s: the client went away", self.rid)
             return self.response
 
-    async def _run(self, request: web.Request) -> web.StreamResponse:
+    async def _run(self) -> web.StreamResponse:
         while True:
-            outcome, error = await self._segment(request)
+            outcome, error = await self._segment()
             if outcome == "error":  # the first segment's 4xx (bad input): the client gets SGLang's answer as is
                 return error
             if outcome == "finished":
@@ -138,7 +138,7 @@ class CarriedRequest:
             else:
                 dst, self.move_to, kind = self.move_to, None, "recompute"
             if self._left() <= 0:  # every token was out before the move took effect
-                await self._emit(request, self._final_without_move())
+                await self._emit(self._final_without_move())
                 break
             if self.prompt_ids is None:
                 self.prompt_ids = await self._tokenize(dst)
@@ -185,7 +185,7 @@ class CarriedRequest:
         total = 128 if total is None else int(total)  # SGLang's default
         return total - len(self.done_ids)
 
-    async def _segment(self, request: web.Request) -> tuple[str, web.Response | None]:
+    async def _segment(self) -> tuple[str, web.Response | None]:
         """'finished', 'moved', 'failed' (the worker is gone), or 'error' with the worker's 4xx answer."""
         headers = {"X-SMG-Target-Worker": str(self.gw.smg_index["native"][self.worker]),
                    "Content-Type": "application/json"}
@@ -208,7 +208,7 @@ class CarriedRequest:
                     buffer += piece
                     while b"\n\n" in buffer:
                         event, buffer = buffer.split(b"\n\n", 1)
-                        outcome = await self._on_event(request, event.strip())
+                        outcome = await self._on_event(event.strip())
                         if outcome is not None:
                             return outcome, None
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -216,7 +216,7 @@ class CarriedRequest:
         return (await self._failed(f"worker {self.worker}: the stream ended without [DONE]")
                 if self.move_to is None else "moved"), None
 
-    async def _on_event(self, request: web.Request, event: bytes) -> str | None:
+    async def _on_event(self, event: bytes) -> str | None:
         if not event.startswith(b"data:"):
             return None
         data = event[5:].strip()
@@ -229,35 +229,33 @@ class CarriedRequest:
             if self.move_to is None and not self.client_aborted and not await self.gw.worker_alive(self.worker):
                 self.failures.append(f"worker {self.worker}: {out['error']}")
                 return "failed"  # the proxy's word for a worker that went away
-            await self._emit(request, out)
+            await self._emit(out, data)
             return "finished"
         meta = out.get("meta_info") or {}
         if self.gw.incremental:
-            self.seg_ids += list(out.get("output_ids") or [])
+            self.seg_ids += out.get("output_ids") or []
             self.seg_text += out.get("text") or ""
             for k in OUTPUT_LOGPROBS:
                 if meta.get(k):
                     self.seg_lp.setdefault(k, []).extend(meta[k])
         else:
-            self.seg_ids, self.seg_text = list(out.get("output_ids") or []), out.get("text") or ""
-            self.seg_lp = {k: list(meta[k]) for k in OUTPUT_LOGPROBS if meta.get(k) is not None}
+            self.seg_ids, self.seg_text = out.get("output_ids") or [], out.get("text") or ""
+            self.seg_lp = {k: meta[k] for k in OUTPUT_LOGPROBS if meta.get(k) is not None}
         reason = meta.get("finish_reason") or {}
         self.finish_reason = reason if isinstance(reason, dict) else {"type": str(reason)}
         if isinstance(reason, dict) and reason.get("type") == "abort" and self.move_to is not None \
                 and not self.client_aborted:
             return None  # our own abort: its tokens are kept, the chunk is not the client's
-        await self._emit(request, self._joined(out))
+        if self.migrations:
+            await self._emit(self._joined(out))
+        else:
+            await self._emit(out, data)  # the worker's chunk as it came
         return None
 
     def _joined(self, out: dict) -> dict:
-        """The worker's chunk as the client's: output and counts over every segment."""
-        if not self.migrations:
-            return out
-        out = dict(out)
-        meta = dict(out.get("meta_info") or {})
-        if self.gw.incremental:
-            out["output_ids"], out["text"] = list(out.get("output_ids") or []), out.get("text") or ""
-        else:
+        """A chunk of a moved request as its client sees it: output and counts over every segment (in place)."""
+        meta = out.setdefault("meta_info", {})
+        if not self.gw.incremental:  # deltas need no joining
             out["output_ids"], out["text"] = self.done_ids + self.seg_ids, self.done_text + self.seg_text
             for k, v in self.seg_lp.items():
                 meta[k] = self.done_lp[k] + v
@@ -265,19 +263,20 @@ class CarriedRequest:
         meta["prompt_tokens"] = len(self.prompt_ids)
         meta["completion_tokens"] = len(self.done_ids) + len(self.seg_ids)
         meta["migrations"] = self.migrations
-        out["meta_info"] = meta
         return out
 
-    async def _emit(self, request: web.Request, out: dict) -> None:
+    async def _emit(self, out: dict, raw: bytes | None = None) -> None:
+        """Keeps `out` as the client's latest chunk and streams it to a streaming client (`raw`: its JSON as the
+        worker sent it, when unchanged)."""
         self.last = out
         if not self.client_stream:
             return
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers={
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()})
-            await self.response.prepare(request)
+            await self.response.prepare(self.request)
         try:
-            await self.response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+            await self.response.write(b"data: " + (raw if raw is not None else json.dumps(out).encode()) + b"\n\n")
         except ConnectionResetError as e:  # aiohttp's is also a ClientError: not the worker's failure
             raise ClientGone(str(e)) from e
 
@@ -316,12 +315,7 @@ class CarriedRequest:
 
     async def _end_with_error(self, message: str) -> None:
         logger.error(message)
-        self.last = {"error": {"message": message, "type": "server_error", "code": 503, "retryable": True}}
-        if self.client_stream:
-            if self.response is None:
-                self.response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
-                await self.response.prepare(self.request)
-            await self.response.write(b"data: " + json.dumps(self.last).encode() + b"\n\n")
+        await self._emit({"error": {"message": message, "type": "server_error", "code": 503, "retryable": True}})
 
     def _final_without_move(self) -> dict:
         meta = dict((self.last or {}).get("meta_info") or {})
