@@ -57,7 +57,6 @@ EMA = 0.2
 # queued after it, so that running requests drain and free the memory it needs (no starvation under a steady stream
 # of requests for resident adapters).
 STARVATION_S = 2.0
-SHORT_RUN_IDS = 64  # up to this many KV indices, the pool's own run finder beats array operations
 
 
 class UnifiedTokenAllocator(TokenToKVPoolAllocator):
@@ -85,11 +84,10 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
     @property
     def free_pages(self) -> torch.Tensor:
         """The free KV indices (SGLang's debug checks read this list)."""
-        kinds = getattr(getattr(self, "pool", None), "_kind_of", None)
-        if kinds is None:
+        pool = getattr(self, "pool", None)
+        if pool is None:  # SGLang's base __init__ runs before the pool exists
             return torch.empty((0,), dtype=torch.int64)
-        codes = torch.frombuffer(bytearray(kinds), dtype=torch.uint8) if len(kinds) else torch.empty(0, dtype=torch.uint8)
-        return (torch.nonzero(codes == 0).flatten() + 1).to(self.device)
+        return torch.from_numpy(pool.free_ids() + 1).to(self.device)
 
     @free_pages.setter
     def free_pages(self, value) -> None:  # SGLang's base __init__ assigns it; the pool is the free list
@@ -108,7 +106,7 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        self.pool.release("kv_running", (free_index - 1).tolist())
+        self.pool.release("kv_running", _slot_ids(free_index))
 
     def merge_and_sort_free(self):
         return None
@@ -119,46 +117,24 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
     # ---- the tree's side ----------------------------------------------------------------------------------------
 
     def to_indices(self, slots: SlotRuns) -> torch.Tensor:
-        """The KV indices (slot + 1) of `slots`, in the order handed out: a few array operations, not a tensor per
-        run (a fragmented pool hands out hundreds of runs)."""
-        runs = slots.runs
-        if len(runs) == 1:
-            start, n = runs[0]
-            return torch.arange(start + 1, start + 1 + n, dtype=torch.int64, device=self.device)
-        starts, lens = np.array(runs, dtype=np.int64).T
-        # position i of run r holds starts[r] + 1 + (i - the position run r starts at)
-        offsets = np.repeat(starts + 1 - (np.cumsum(lens) - lens), lens)
-        return torch.from_numpy(np.arange(slots.num_slots, dtype=np.int64) + offsets).to(self.device)
+        """The KV indices (slot + 1) of `slots`, in the order handed out."""
+        return torch.from_numpy(slots.array() + 1).to(self.device)
 
     def mark_cached(self, indices) -> None:
         """KV rows a request computed that the tree now owns (KV indices: an int64 tensor or a list)."""
         if len(indices):
-            self.pool.move("kv_running", "kv_cached", _slot_runs(indices))
+            self.pool.move("kv_running", "kv_cached", _slot_ids(indices))
 
     def free_cached(self, indices) -> None:
         """An evicted run of the tree (KV indices: an int64 tensor, the run's `value_cache`, or a list)."""
-        self.pool.release("kv_cached", _slot_runs(indices))
+        self.pool.release("kv_cached", _slot_ids(indices))
 
 
-def _slot_runs(indices) -> SlotRuns | list[int]:
-    """The slot ids (index - 1) of KV indices, for the pool: a list (the pool finds the runs) when short, else sorted
-    runs found with array operations rather than a Python loop over the ids. Raises ValueError naming a duplicate
-    id, as the pool's `runs_of` does."""
-    if not isinstance(indices, torch.Tensor):
-        return [i - 1 for i in indices]
-    n = len(indices)
-    if n <= SHORT_RUN_IDS:
-        return [i - 1 for i in indices.tolist()]
-    ids = indices.cpu().numpy() - 1
-    if not (ids[1:] > ids[:-1]).all():
-        ids = np.sort(ids)
-        same = np.flatnonzero(ids[1:] == ids[:-1])
-        if len(same):
-            raise ValueError(f"slot id {int(ids[same[0]])} given twice")
-    bounds = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1
-    starts = ids[np.concatenate(([0], bounds))].tolist()
-    lens = np.diff(bounds, prepend=0, append=n).tolist()
-    return SlotRuns(n, tuple(zip(starts, lens)))
+def _slot_ids(indices) -> np.ndarray:
+    """The pool's slot ids (index - 1) of KV indices (an int64 tensor or a list), as a fresh int64 array."""
+    if isinstance(indices, torch.Tensor):
+        return indices.cpu().numpy().astype(np.int64).reshape(-1) - 1
+    return np.array(indices, dtype=np.int64) - 1
 
 
 class LiveMemory:
@@ -333,12 +309,10 @@ class LiveMemory:
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
         non-resident adapter is not counted)."""
-        registry = process_state().adapters
-        counts = Counter()
-        for req in reqs:
-            identity = registry.identity(req.lora_id) if req.lora_id is not None else None
-            if identity is not None and self.residency.is_resident(identity):
-                counts[identity] += 1
+        identity, resident = process_state().adapters.identity, self.residency.is_resident
+        counts = Counter([identity(r.lora_id) for r in reqs if r.lora_id is not None])
+        for i in [i for i in counts if i is None or not resident(i)]:
+            del counts[i]
         self.residency.set_running(counts)
 
     def set_wanted(self, waiting_reqs) -> None:

@@ -9,37 +9,43 @@ slot per token and an adapter `slots_for_bytes(weight bytes, slot bytes)` slots:
 and target modules, never padded to a maximum rank. Slot ids and their place in SGLang's per-layer KV buffers:
 ```
 slot id  0                                                                               num_slots
-         | KV: kv_cached / kv_running, lowest free ids first ->  | free |  <- adapter C | B | A |
+         | KV: kv_cached / kv_running, sorted free list's front -> | free |  <- adapter C | B | A |
                                                                                   ^ a = first id of A, n slots
 for every layer l:  k_buffer[l][s] and v_buffer[l][s] are (kv_heads x head_dim) each, for every slot s
 adapter A, slots [a, a + n):  layer l's LoRA weights (A and B of every target module, rank rows)
                               fill k_buffer[l][a:a+n] ++ v_buffer[l][a:a+n]
                               (n x 2 x kv_heads x head_dim elements, one contiguous view per buffer)
 ```
-KV is taken from the lowest free runs and adapters best-fit from the top, so adapters stay in few, long runs
-and an adapter's weights can be viewed in place. A run is contiguous only if some free run is long enough:
-`largest_free_run()` says whether it is; otherwise the pool hands out the fewest runs (largest first) and a
+KV is taken from the front of a sorted free list and adapters best-fit from the top, so KV stays at low ids,
+adapters in few, long runs, and an adapter's weights can be viewed in place. The free list is SGLang's own
+(`TokenToKVPoolAllocator`): ids freed go to a side list and are merged back, sorted, only when the front runs
+short, so an allocation or a release costs array operations on its own ids, never a walk over free runs (KV
+that is freed stays out of use until the next merge, then the lowest ids go first again). An adapter's run is
+found from the per-slot kind array when it is allocated: contiguous only if some free run is long enough;
+`largest_free_run()` says whether one is; otherwise the pool hands out the fewest runs (largest first) and a
 reader must gather per run (as S-LoRA's kernels do). Kinds, at every step:
 free + adapter + kv_cached + kv_running + in_flight == num_slots.
 `in_flight` is reserved for a host->device copy not finished (an adapter's weights, KV coming back).
 
 Two modes (a choice of this module): `track_ids=True` hands out and takes back slot ids (the live server,
-where the ids index SGLang's KV buffers; the pool keeps a kind code per slot and checks each release);
-`track_ids=False` keeps the counts only (the simulator, whose tree values are owner tags, not slot ids):
-`alloc` returns `SlotRuns` without runs, and `move` / `release` take a count or any sized sequence. In the
-server, SGLang's token allocator (page size 1) is to delegate its `alloc` / `free` to `alloc("kv_running", n)` /
-`release`, so the ids SGLang writes KV into are the ones drawn above and adapters borrow from the same free runs.
+where the ids index SGLang's KV buffers; the pool keeps a kind code per slot, a numpy array, and checks each
+release against it); `track_ids=False` keeps the counts only (the simulator, whose tree values are owner tags,
+not slot ids): `alloc` returns `SlotRuns` without runs, and `move` / `release` take a count or any sized
+sequence. In the server, SGLang's token allocator (page size 1) delegates its `alloc` / `free` to
+`alloc("kv_running", n)` / `release`, so the ids SGLang writes KV into are the ones drawn above and adapters
+borrow from the same free slots.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 KINDS = ("adapter", "kv_cached", "kv_running", "in_flight")
 _CODE = {kind: i + 1 for i, kind in enumerate(KINDS)}  # 0: free
 _FREE = 0
+_NO_IDS = np.empty(0, dtype=np.int64)
 
 
 def slots_for_bytes(num_bytes: int, slot_bytes: int) -> int:
@@ -59,36 +65,91 @@ class ExceedsPoolError(ValueError):
                          f"holds {pool_slots} slots ({pool_slots * slot_bytes} B)")
 
 
-@dataclass(frozen=True, slots=True)
 class SlotRuns:
-    """Slots handed out together: `runs` of consecutive ids as (start, length), in the order taken.
-    A pool without ids hands out `SlotRuns(n)` (no runs)."""
+    """Slots handed out together, in the order taken: as `runs` of consecutive ids (start, length) and as an
+    int64 id array (`array()`); whichever was not given is derived on first use. A pool without ids hands out
+    `SlotRuns(n)` (no runs). Two are equal when they hold the same runs in the same order."""
 
-    num_slots: int
-    runs: tuple[tuple[int, int], ...] = ()
+    __slots__ = ("num_slots", "_runs", "_ids")
+
+    def __init__(self, num_slots: int, runs: tuple[tuple[int, int], ...] = (), *,
+                 ids: np.ndarray | None = None) -> None:
+        self.num_slots = num_slots
+        self._runs = None if ids is not None else tuple(runs)
+        self._ids = ids
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        if self._runs is None:
+            self._runs = _runs_in_order(self._ids)
+        return self._runs
+
+    def array(self) -> np.ndarray:
+        """The ids as an int64 array (shared: do not write to it)."""
+        if self._ids is None:
+            self._ids = _ids_of_runs(self._runs, self.num_slots)
+        return self._ids
 
     def ids(self) -> list[int]:
-        return [s for start, n in self.runs for s in range(start, start + n)]
+        return self.array().tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SlotRuns):
+            return NotImplemented
+        return self.num_slots == other.num_slots and self.runs == other.runs
+
+    def __repr__(self) -> str:
+        return f"SlotRuns({self.num_slots}, {self.runs})"
+
+
+def _ids_of_runs(runs: Sequence[tuple[int, int]], num_slots: int) -> np.ndarray:
+    if not runs:
+        return _NO_IDS
+    if len(runs) == 1:
+        start, n = runs[0]
+        return np.arange(start, start + n, dtype=np.int64)
+    starts, lens = np.array(runs, dtype=np.int64).T
+    # position i of run r holds starts[r] + (i - the position run r starts at)
+    return np.arange(num_slots, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
+def _runs_in_order(ids: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Maximal stretches of consecutive ids, in array order."""
+    n = len(ids)
+    if not n:
+        return ()
+    bounds = np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1
+    starts = ids[np.concatenate(([0], bounds))].tolist()
+    lens = np.diff(bounds, prepend=0, append=n).tolist()
+    return tuple(zip(starts, lens))
 
 
 def runs_of(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """Slot ids as sorted runs; raises ValueError naming a duplicate id."""
-    if not ids:
+    if not len(ids):
         return ()
-    first, n = ids[0], len(ids)
-    if isinstance(ids, range) and ids.step == 1 or list(ids) == list(range(first, first + n)):
-        return ((first, n),)  # the common case: one run, checked at C speed
-    ordered = sorted(ids)
-    runs, start, prev = [], ordered[0], ordered[0]
-    for s in ordered[1:]:
-        if s == prev:
-            raise ValueError(f"slot id {s} given twice")
-        if s != prev + 1:
-            runs.append((start, prev - start + 1))
-            start = s
-        prev = s
-    runs.append((start, prev - start + 1))
-    return tuple(runs)
+    return _runs_in_order(_checked_ids(np.asarray(ids, dtype=np.int64), sort=True))
+
+
+def _checked_ids(ids: np.ndarray, *, sort: bool = False) -> np.ndarray:
+    """`ids` (sorted when `sort`), after checking that no id appears twice; ValueError names one that does."""
+    if len(ids) < 2 or (ids[1:] > ids[:-1]).all():
+        return ids
+    ordered = np.sort(ids)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if len(same):
+        raise ValueError(f"slot id {int(ordered[same[0]])} given twice")
+    return ordered if sort else ids
+
+
+def _free_runs(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the runs of free slots, ascending by start: a few passes over the kind array."""
+    free = kinds == _FREE
+    edges = np.flatnonzero(free[1:] != free[:-1]) + 1  # where a run of one state ends and the next begins
+    bounds = np.concatenate(([0], edges, [len(kinds)]))
+    first = 0 if len(kinds) and free[0] else 1  # the index in bounds of the first free run's start
+    starts, ends = bounds[first:-1:2], bounds[first + 1::2]
+    return starts, ends - starts
 
 
 class UnifiedPool:
@@ -106,9 +167,11 @@ class UnifiedPool:
         self.track_ids = track_ids
         self._num = {kind: 0 for kind in KINDS}
         self._num_free = num_slots
-        self._starts: list[int] = [0] if track_ids else []  # free runs, sorted by start
-        self._lens: dict[int, int] = {0: num_slots} if track_ids else {}
-        self._kind_of = bytearray(num_slots) if track_ids else None
+        # with ids: a kind code per slot; the free ids are _free[_head:] (sorted) and the arrays in _freed
+        self._kind = np.zeros(num_slots if track_ids else 0, dtype=np.uint8)
+        self._free = np.arange(num_slots if track_ids else 0, dtype=np.int64)
+        self._head = 0
+        self._freed: list[np.ndarray] = []
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -134,14 +197,21 @@ class UnifiedPool:
         return 0 <= num_slots <= self._num_free
 
     def largest_free_run(self) -> int:
-        """Longest run of consecutive free ids (the free count without ids)."""
-        return max(self._lens.values(), default=0) if self.track_ids else self._num_free
+        """Longest run of consecutive free ids (the free count without ids). O(num_slots) array work."""
+        if not self.track_ids:
+            return self._num_free
+        lens = _free_runs(self._kind)[1]
+        return int(lens.max()) if len(lens) else 0
+
+    def free_ids(self) -> np.ndarray:
+        """Every free id, ascending (a fresh array)."""
+        return np.flatnonzero(self._kind == _FREE)
 
     # ---- mutations -------------------------------------------------------------------------------
 
     def alloc(self, kind: str, num_slots: int, *, contiguous: bool = False) -> SlotRuns | None:
         """Takes `num_slots` free slots as `kind`; None (nothing changed) when fewer are free. `contiguous`
-        (adapters): best fit from the top, else the fewest runs; otherwise the lowest free ids (KV)."""
+        (adapters): best fit from the top, else the fewest runs; otherwise the free list's front (KV)."""
         assert kind in _CODE, f"unknown slot kind {kind!r}; kinds: {KINDS}"
         if num_slots > self.num_slots:
             raise ExceedsPoolError(f"{num_slots} slots of {kind}", num_slots, self.num_slots, self.slot_bytes)
@@ -151,131 +221,120 @@ class UnifiedPool:
         self._num[kind] += num_slots
         if not self.track_ids:
             return SlotRuns(num_slots)
-        runs = self._take_top(num_slots) if contiguous else self._take_low(num_slots)
-        code = _CODE[kind]
-        for start, n in runs:
-            self._kind_of[start:start + n] = bytes((code,)) * n
-        return SlotRuns(num_slots, tuple(runs))
+        if contiguous:
+            slots = SlotRuns(num_slots, self._take_top(num_slots))
+            ids = slots.array()
+        else:
+            ids = self._take_front(num_slots)
+            slots = SlotRuns(num_slots, ids=ids)
+        self._kind[ids] = _CODE[kind]
+        if contiguous:
+            self._drop_taken()
+        return slots
 
     def reserve(self, num_slots: int, *, contiguous: bool = False) -> SlotRuns | None:
         """`alloc("in_flight", ...)`: slots for a copy not yet finished."""
         return self.alloc("in_flight", num_slots, contiguous=contiguous)
 
-    def move(self, src: str, dst: str, slots: int | SlotRuns | Sequence[int]) -> None:
+    def move(self, src: str, dst: str, slots: int | SlotRuns | Sequence[int] | np.ndarray) -> None:
         """Re-labels slots from kind `src` to `dst` (ids required when the pool tracks them)."""
-        n, runs = self._resolve(src, slots)
+        n, ids = self._resolve(src, slots)
         assert dst in _CODE, f"unknown slot kind {dst!r}; kinds: {KINDS}"
         self._num[src] -= n
         self._num[dst] += n
-        code = _CODE[dst]
-        for start, length in runs:
-            self._kind_of[start:start + length] = bytes((code,)) * length
+        if ids is not None:
+            self._kind[ids] = _CODE[dst]
 
-    def release(self, kind: str, slots: int | SlotRuns | Sequence[int]) -> None:
-        """Frees slots of `kind` (ids required when the pool tracks them); merges neighbouring free runs."""
-        n, runs = self._resolve(kind, slots)
+    def release(self, kind: str, slots: int | SlotRuns | Sequence[int] | np.ndarray) -> None:
+        """Frees slots of `kind` (ids required when the pool tracks them): they join the free list at its
+        next merge."""
+        n, ids = self._resolve(kind, slots)
         self._num[kind] -= n
         self._num_free += n
-        for start, length in runs:
-            self._kind_of[start:start + length] = bytes(length)
-            self._give_back(start, length)
+        if ids is not None and n:
+            self._kind[ids] = _FREE
+            self._freed.append(ids)
 
     def release_all(self, kind: str) -> int:
         """Frees every slot of `kind` (a cache flush); returns how many. With ids: one scan of the kind codes."""
         assert kind in _CODE, f"unknown slot kind {kind!r}; kinds: {KINDS}"
         n = self._num[kind]
-        if not n:
-            return 0
-        if not self.track_ids:
-            self.release(kind, n)
-            return n
-        code, ids = _CODE[kind], []
-        for s, c in enumerate(self._kind_of):
-            if c == code:
-                ids.append(s)
-        self.release(kind, ids)
+        if n:
+            self.release(kind, np.flatnonzero(self._kind == _CODE[kind]) if self.track_ids else n)
         return n
 
     # ---- invariants ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """free + every kind == num_slots; with ids, the kind codes and free runs agree with the counts.
+        """free + every kind == num_slots; with ids, the kind codes and the free list agree with the counts.
         O(num_slots) with ids. Raises AssertionError naming the first broken rule."""
         assert min(self._num.values()) >= 0 and self._num_free >= 0, f"negative count: {self.by_kind()}"
         assert self._num_free + sum(self._num.values()) == self.num_slots, (
             f"free {self._num_free} + {self._num} != {self.num_slots} slots")
         if not self.track_ids:
             return
+        coded = np.bincount(self._kind, minlength=len(KINDS) + 1)
         for kind, code in _CODE.items():
-            assert self._kind_of.count(code) == self._num[kind], (
-                f"{self._kind_of.count(code)} slots coded {kind}, counted {self._num[kind]}")
-        assert self._starts == sorted(self._lens) and sum(self._lens.values()) == self._num_free, (
-            "free runs out of step with the free count")
-        end = -1
-        for start in self._starts:
-            n = self._lens[start]
-            assert n > 0 and start > end, f"free run ({start}, {n}) overlaps or touches the previous one"
-            assert self._kind_of[start:start + n].count(_FREE) == n, f"free run ({start}, {n}) holds used slots"
-            end = start + n
+            assert coded[code] == self._num[kind], f"{coded[code]} slots coded {kind}, counted {self._num[kind]}"
+        listed = np.sort(np.concatenate([self._free[self._head:], *self._freed]))
+        assert np.array_equal(listed, self.free_ids()), (
+            f"free list ({len(listed)} ids) out of step with the free slots ({self._num_free})")
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _resolve(self, kind: str, slots: int | SlotRuns | Sequence[int]) -> tuple[int, tuple]:
-        """(count, runs) of `slots`, checked against `kind`'s count and, with ids, each slot's kind."""
+    def _resolve(self, kind: str, slots) -> tuple[int, np.ndarray | None]:
+        """(count, ids or None without ids) of `slots`, checked against `kind`'s count and each slot's kind."""
         assert kind in _CODE, f"unknown slot kind {kind!r}; kinds: {KINDS}"
         if isinstance(slots, int):
             assert not self.track_ids, "this pool tracks slot ids: pass the ids (or the SlotRuns) back"
-            n, runs = slots, ()
-        elif isinstance(slots, SlotRuns):
-            n, runs = slots.num_slots, slots.runs
+            n, ids = slots, None
+        elif not self.track_ids:
+            n, ids = (slots.num_slots if isinstance(slots, SlotRuns) else len(slots)), None
         else:
-            n, runs = len(slots), (runs_of(slots) if self.track_ids else ())
+            if isinstance(slots, SlotRuns):
+                ids = slots.array()
+            else:
+                ids = _checked_ids(np.array(slots, dtype=np.int64).reshape(-1))  # a copy: the free list may keep it
+            n = len(ids)
         assert 0 <= n <= self._num[kind], f"{n} slots of {kind} given back but only {self._num[kind]} are held"
-        code = _CODE[kind]
-        for start, length in runs:
-            assert self._kind_of[start:start + length].count(code) == length, (
-                f"slots [{start}, {start + length}) are not all {kind}: freed twice or of another kind")
-        return n, runs
+        if ids is not None and n:
+            assert 0 <= ids.min() and ids.max() < self.num_slots, f"slot ids outside [0, {self.num_slots})"
+            wrong = self._kind[ids] != _CODE[kind]
+            if wrong.any():
+                bad = int(ids[int(np.argmax(wrong))])
+                start, length = next((s, k) for s, k in runs_of(ids) if s <= bad < s + k)
+                raise AssertionError(f"slots [{start}, {start + length}) are not all {kind}: "
+                                     "freed twice or of another kind")
+        return n, ids
 
-    def _take_low(self, num_slots: int) -> list[tuple[int, int]]:
-        runs = []
-        while num_slots:
-            start = self._starts[0]
-            n = self._lens.pop(start)
-            if n > num_slots:
-                self._starts[0] = start + num_slots
-                self._lens[start + num_slots] = n - num_slots
-                n = num_slots
-            else:
-                self._starts.pop(0)
-            runs.append((start, n))
-            num_slots -= n
-        return runs
+    def _take_front(self, num_slots: int) -> np.ndarray:
+        if len(self._free) - self._head < num_slots:  # merge what was freed since, sorted (SGLang's way)
+            self._free = np.sort(np.concatenate([self._free[self._head:], *self._freed]))
+            self._head, self._freed = 0, []
+        ids = self._free[self._head:self._head + num_slots]
+        self._head += num_slots
+        return ids
 
-    def _take_top(self, num_slots: int) -> list[tuple[int, int]]:
-        fits = [(n, -s) for s, n in self._lens.items() if n >= num_slots]
-        order = [-min(fits)[1]] if fits else sorted(self._lens, key=lambda s: (-self._lens[s], -s))
+    def _take_top(self, num_slots: int) -> tuple[tuple[int, int], ...]:
+        starts, lens = _free_runs(self._kind)
+        fits = np.flatnonzero(lens >= num_slots)
+        if len(fits):  # best fit; ties: the highest run
+            best = fits[lens[fits] == lens[fits].min()][-1]
+            return ((int(starts[best] + lens[best]) - num_slots, num_slots),)
         runs = []
-        for start in order:  # best fit (ties: the highest run), else the largest runs first
-            n = self._lens[start]
-            take = min(n, num_slots)
-            if take == n:
-                del self._lens[start]
-                self._starts.pop(bisect_left(self._starts, start))
-            else:
-                self._lens[start] = n - take
-            runs.append((start + n - take, take))
+        for i in np.lexsort((-starts, -lens)).tolist():  # the largest runs first (ties: the highest)
+            take = min(int(lens[i]), num_slots)
+            runs.append((int(starts[i] + lens[i]) - take, take))
             num_slots -= take
             if not num_slots:
-                return runs
+                return tuple(runs)
         raise AssertionError("free runs shorter than the free count")
 
-    def _give_back(self, start: int, n: int) -> None:
-        i = bisect_left(self._starts, start)
-        if i < len(self._starts) and start + n == self._starts[i]:  # merge with the next run
-            n += self._lens.pop(self._starts.pop(i))
-        if i and self._starts[i - 1] + self._lens[self._starts[i - 1]] == start:  # and the previous
-            self._lens[self._starts[i - 1]] += n
-            return
-        self._starts.insert(i, start)
-        self._lens[start] = n
+    def _drop_taken(self) -> None:
+        """After ids were taken from anywhere (an adapter's runs): the free list keeps only free ids (the front
+        stays sorted; what was freed since is merged later)."""
+        front = self._free[self._head:]
+        self._free, self._head = front[self._kind[front] == _FREE], 0
+        if self._freed:
+            freed = np.concatenate(self._freed)
+            self._freed = [freed[self._kind[freed] == _FREE]]

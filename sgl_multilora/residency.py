@@ -60,6 +60,7 @@ class AdapterResidency:
         self._entries: dict[str, AdapterEntry] = {}
         self._resident: dict[str, None] = {}  # ordered sets: iteration never depends on hashing
         self._loading: dict[str, None] = {}
+        self._running: set[str] = set()  # adapters with num_running > 0
         self.num_loads = 0  # loads started (on demand and prefetched)
         for adapter_id, n in num_slots.items():
             self.add(adapter_id, n)
@@ -173,21 +174,31 @@ class AdapterResidency:
         e = self._entries[adapter_id]
         assert e.state is AdapterState.RESIDENT, f"request admitted on adapter {adapter_id!r}, {e.state.value}"
         e.num_running += 1
+        self._running.add(adapter_id)
 
     def release(self, adapter_id: str) -> None:
         e = self._entries[adapter_id]
         assert e.num_running > 0, f"release of adapter {adapter_id!r} that no running request holds"
         e.num_running -= 1
+        if not e.num_running:
+            self._running.discard(adapter_id)
 
     def set_running(self, counts: dict[str, int]) -> None:
         """Sets every adapter's running-request count at once (absent ids: 0), for an owner that reads them
         off its scheduler's batches instead of counting admissions and finishes. Asserts that only resident
-        adapters run."""
-        for adapter_id, e in self._entries.items():
-            n = counts.get(adapter_id, 0)
+        adapters run. O(adapters running before and now), not O(adapters)."""
+        entries = self._entries
+        for adapter_id in self._running.difference(counts):
+            entries[adapter_id].num_running = 0
+        running = set()
+        for adapter_id, n in counts.items():
+            e = entries[adapter_id]
             assert n == 0 or e.state is AdapterState.RESIDENT, (
                 f"{n} running requests on adapter {adapter_id!r}, which is {e.state.value}")
             e.num_running = n
+            if n:
+                running.add(adapter_id)
+        self._running = running
 
     # ---- invariants ------------------------------------------------------------------------------
 
@@ -201,6 +212,7 @@ class AdapterResidency:
             assert e.slots is None or e.slots.num_slots == e.num_slots, f"adapter {a!r} holds the wrong size"
             assert e.num_running >= 0 and (e.num_running == 0 or a in self._resident), (
                 f"adapter {a!r} runs {e.num_running} requests while {e.state.value}")
+            assert (e.num_running > 0) == (a in self._running), f"adapter {a!r} running set out of step"
         assert self.pool.num_of("adapter") == self.resident_slots(), (
             f"pool holds {self.pool.num_of('adapter')} adapter slots, resident adapters "
             f"{self.resident_slots()}")

@@ -253,8 +253,11 @@ class Swapper:
             return False
         if not self.dependency:
             return True
-        return all(not n.children and not n.dependents and n.lock_ref == 0
-                   for n in self.adapter_nodes(adapter_id))
+        for ns in self.tree.root.children.values():  # the adapter's node in every namespace: a bare leaf
+            n = ns.children.get(adapter_id)
+            if n is not None and (n.children or n.dependents or n.lock_ref):
+                return False
+        return True
 
     def _evict_adapter(self, adapter_id: str) -> None:
         num_slots = self.residency.entry(adapter_id).num_slots

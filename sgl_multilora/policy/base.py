@@ -24,7 +24,7 @@ class BasePolicy:
         raise NotImplementedError
 
     def score_many(self, items: Iterable[object], now: float) -> list[float]:
-        """`[score(item, now) for item in items]`, the same floats: an evictor ranking every candidate
+        """`[score(item, now) for item in items]` (an override may compute it over arrays): an evictor ranking every candidate
         calls this, and a policy may compute once what the items share (pure, like `score`)."""
         score = self.score
         return [score(item, now) for item in items]

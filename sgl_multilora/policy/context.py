@@ -6,8 +6,11 @@ tree. Not here: the bookkeeping itself (`usage.py` holds a ready-made implementa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +40,8 @@ class PolicyContext(Protocol):
       (> 0), used to bring frequency and size to [0, 1].
     - `num_resident_adapters()`: adapters on the GPU now (ELORA's Now_LoRA before a swap).
     - `expected_adapters_per_batch()`: ELORA's Low_lora (Eq. 3), >= 0.
+    - `columns(items)`: `is_adapter`, `size_bytes`, `reload_cost_s` and `visits` of many items as four
+      numpy arrays (bool, then float64), the same values as the four methods (what a batch score reads).
     """
 
     def is_adapter(self, item: object) -> bool: ...
@@ -48,3 +53,4 @@ class PolicyContext(Protocol):
     def max_size_bytes(self) -> int: ...
     def num_resident_adapters(self) -> int: ...
     def expected_adapters_per_batch(self) -> float: ...
+    def columns(self, items: Sequence[object]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...

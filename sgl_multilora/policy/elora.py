@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
+
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.policy.context import PolicyContext
 from sgl_multilora.policy.registry import register
@@ -154,42 +156,33 @@ class EloraPolicy(BasePolicy):
         return total
 
     def score_many(self, items: Iterable[object], now: float) -> list[float]:
-        """`score` of each item, the same floats, with what the items share computed once: the
-        adapter-count factor (a function of the item's kind only) and the visit normaliser."""
-        ctx, drop, tau_s = self.context, self.drop, self.tau_s
-        use_count, use_cost = "lora_count" not in drop, "cost" not in drop
-        use_visit, use_recency = "visit" not in drop, "recency" not in drop
-        total_visits = ctx.total_visits() if use_visit else 1.0
-        log_count: dict[bool, float] = {}  # is_adapter -> log of the adapter-count factor
-        out = []
-        for item in items:
-            total = 0.0
-            if use_count:
-                kind = ctx.is_adapter(item)
-                lf = log_count.get(kind)
-                if lf is None:
-                    f = self.lora_factor(item)
-                    lf = log_count[kind] = math.log(f) if f > 0 else -math.inf
-                if lf == -math.inf:
-                    out.append(-math.inf)
-                    continue
-                total += lf
-            if use_cost:
-                c = self.cost(item)
-                if c <= 0:
-                    out.append(-math.inf)
-                    continue
-                total += math.log(c)
-            if use_visit:
-                v = ctx.visits(item) / total_visits
-                if v <= 0:
-                    out.append(-math.inf)
-                    continue
-                total += math.log(v)
-            if use_recency:
-                total += _log_sigmoid_neg(max(0.0, now - item.last_access) / tau_s)
-            out.append(total)
-        return out
+        """`score` of each item (equal up to the last bits of the logarithms: array maths), computed over
+        arrays: the adapter-count factor once per kind, each item's own numbers in one `columns` call."""
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        if not items:
+            return []
+        ctx, drop = self.context, self.drop
+        is_adapter, size, cost, visits = ctx.columns(items)
+        total = np.zeros(len(items))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if "lora_count" not in drop:
+                for kind in (False, True):
+                    where = is_adapter == kind
+                    if where.any():
+                        f = self.lora_factor(items[int(np.argmax(where))])
+                        total[where] += math.log(f) if f > 0 else -math.inf
+            if "cost" not in drop:
+                if self.block_bytes is not None:
+                    cost = cost * self.block_bytes / np.maximum(1, size)
+                total += np.where(cost > 0, np.log(cost), -np.inf)
+            if "visit" not in drop:
+                v = visits / ctx.total_visits()
+                total += np.where(v > 0, np.log(v), -np.inf)
+        if "recency" not in drop:
+            last = np.fromiter((i.last_access for i in items), np.float64, len(items))
+            t = np.maximum(0.0, now - last) / self.tau_s
+            total -= t + np.log1p(np.exp(-t))  # log(1 - sigmoid(t)) for t >= 0
+        return total.tolist()
 
     def evaluate(self, item: object, now: float) -> float:
         """Eval itself (Eq. 6); underflows to 0 for items idle for more than about 700 * tau_s."""

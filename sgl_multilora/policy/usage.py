@@ -16,7 +16,9 @@ Choices, and why:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from sgl_multilora.policy.context import AdapterRecord
 from sgl_multilora.policy.elora import expected_adapters_per_batch
@@ -133,6 +135,17 @@ class UsageStats:
         assert isinstance(item, Node), (
             f"visits() needs a tree Node or an AdapterRecord, got {item!r}")
         return sum(item.hits.values()) + 1
+
+    def columns(self, items: Sequence[object]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        n = len(items)
+        is_adapter = np.fromiter((isinstance(i, AdapterRecord) or i.kind is NodeKind.ADAPTER for i in items), bool, n)
+        if not is_adapter.any():  # KV nodes only (the evictor's usual batch: the tree's leaves)
+            lens = np.fromiter((len(i.key) for i in items), np.float64, n)
+            visits = np.fromiter((sum(i.hits.values()) for i in items), np.float64, n) + 1
+            return is_adapter, lens * self.kv_bytes_per_token, lens * self.kv_reload_s_per_token, visits
+        rows = [(self.size_bytes(i), self.reload_cost_s(i), self.visits(i)) for i in items]
+        size, cost, visits = (np.array(c, dtype=np.float64) for c in zip(*rows))
+        return is_adapter, size, cost, visits
 
     def total_visits(self) -> float:
         return self._num_requests + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
@@ -15,6 +16,7 @@ from sgl_multilora.policy.elora import EloraPolicy, expected_adapters_per_batch
 from sgl_multilora.policy.lru import LruPolicy
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.tree import LoraRadixTree
+from sgl_multilora.tree_nodes import NodeKind
 
 MiB = 2**20
 NS = Namespace("m")
@@ -46,6 +48,10 @@ class FixedContext:
 
     def visits(self, item):
         return item.visits
+
+    def columns(self, items):
+        return (np.array([i.adapter for i in items], dtype=bool),
+                *(np.array([getattr(i, a) for i in items], dtype=np.float64) for a in ("size_bytes", "cost", "visits")))
 
     def total_visits(self):
         return 10.0
@@ -213,6 +219,34 @@ def test_elora_orders_tree_eviction_by_visits_and_cost():
     assert freed == [[0, 1]]
 
 
+def test_usage_stats_terms_equal_its_four_methods_and_batch_scores_equal_single_ones():
+    """`columns` (what the evictor's batch scoring reads) answers as `is_adapter`, `size_bytes`,
+    `reload_cost_s` and `visits` do, for KV nodes, adapter nodes and adapter records; and over a real tree
+    ELORA's batch scores are `score`'s floats."""
+    clock = Clock()
+    u = UsageStats({"A": 10 * MiB, "B": 3 * MiB}, kv_bytes_per_token=MiB // 4, kv_reload_s_per_token=2e-3,
+                   adapter_reload_s=lambda b: b / 1e9)
+    pol = create_policy("elora", context=u, tau_s=3.0)
+    tree = LoraRadixTree(score=pol, clock=clock)
+    tree.insert(MatchKey(NS, A, [1, 2, 3, 4]), [0, 1, 2, 3])
+    tree.insert(MatchKey(NS, A, [1, 2, 7]), [0, 1, 4])
+    tree.insert(MatchKey(NS, AdapterRef("B", "B"), [5, 6]), [5, 6])
+    u.record_request("A", 0.0)
+    u.record_request("B", 0.5)
+    clock.now = 1.0
+    tree.match(MatchKey(NS, A, [1, 2, 3, 4]))
+    u.record_batch(1.0, 2)
+    u.set_resident("A", True)
+    leaves = tree.evictable_leaves()
+    adapters = [n for ns in tree.root.children.values() for n in ns.children.values() if n.kind is NodeKind.ADAPTER]
+    items = [*leaves, *adapters, u.records["A"], u.records["B"]]
+    assert len(leaves) == 3 and len(adapters) == 2
+    for batch in (leaves, adapters, items):
+        columns = [c.tolist() for c in u.columns(batch)]
+        assert columns == [[f(i) for i in batch] for f in (u.is_adapter, u.size_bytes, u.reload_cost_s, u.visits)]
+        assert pol.score_many(batch, 4.0) == pytest.approx([pol.score(i, 4.0) for i in batch], rel=1e-12)
+
+
 def test_tree_evict_leaf_and_evictable_leaves():
     clock = Clock()
     tree = LoraRadixTree(clock=clock)
@@ -234,12 +268,12 @@ def test_tree_evict_leaf_and_evictable_leaves():
 
 @pytest.mark.parametrize("drop", [(), ("lora_count",), ("cost",), ("visit",), ("recency",)])
 @pytest.mark.parametrize("mode", ["intent", "literal"])
-def test_elora_score_many_gives_the_same_floats_as_score(drop, mode):
-    """The evictor's batch scoring hoists what items share; every float must equal `score`'s."""
+def test_elora_score_many_equals_score_item_by_item(drop, mode):
+    """The evictor's batch scoring (array maths) gives `score`'s values, to the last bits of a logarithm."""
     items = [Item(), Item(adapter=True, size_bytes=64 * MiB), Item(visits=0.0), Item(cost=0.0),
              Item(last_access=-3.0), Item(adapter=True, last_access=2.0, visits=7.0)]
     for n, low in ((0, 2.0), (1, 2.0), (3, 2.0), (2, 0.0)):
         pol = EloraPolicy(FixedContext(n, low), tau_s=2.0, drop=drop, lora_mode=mode)
-        assert pol.score_many(items, 5.0) == [pol.score(i, 5.0) for i in items]
+        assert pol.score_many(items, 5.0) == pytest.approx([pol.score(i, 5.0) for i in items], rel=1e-12)
     lru = LruPolicy()
     assert lru.score_many(items, 5.0) == [lru.score(i, 5.0) for i in items]

@@ -103,3 +103,79 @@ def test_counts_only_mode_for_the_simulator():
     assert pool.largest_free_run() == 11
     with pytest.raises(AssertionError, match="only 1 are held"):
         pool.release("kv_cached", 2)
+
+
+def test_random_operations_never_hand_out_a_held_slot():
+    """Against a plain model (a dict slot -> kind): a long random mix of KV allocations, adapter runs, moves and
+    releases (lists, arrays and `SlotRuns`) never hands out a slot that is held, adapters get the run best fit
+    chooses whenever one is long enough, and the pool's own invariants hold after every step."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(7)
+    pool, held = UnifiedPool(257, slot_bytes=10), {}
+    groups: list[tuple[str, list[int]]] = []
+    for _ in range(3000):
+        op = rng.random()
+        free = pool.num_slots - len(held)
+        if op < 0.45 and groups:  # release or move a group, or part of one
+            kind, ids = groups.pop(rng.randrange(len(groups)))
+            cut = rng.randrange(len(ids) + 1)
+            part, rest = ids[:cut], ids[cut:]
+            if rest:
+                groups.append((kind, rest))
+            form = rng.choice((list, np.array, lambda x: x[::-1]))
+            if kind == "kv_running" and rng.random() < 0.5:
+                pool.move("kv_running", "kv_cached", form(part))
+                if part:
+                    groups.append(("kv_cached", part))
+                held.update(dict.fromkeys(part, "kv_cached"))
+            else:
+                pool.release(kind, form(part))
+                for s in part:
+                    del held[s]
+        elif op < 0.8:  # KV
+            n = rng.randrange(1, 20)
+            got = pool.alloc("kv_running", n)
+            assert (got is None) == (n > free)
+            if got is not None:
+                ids = got.ids()
+                assert len(set(ids)) == n and not set(ids) & held.keys()
+                held.update(dict.fromkeys(ids, "kv_running"))
+                groups.append(("kv_running", ids))
+        else:  # an adapter's run
+            n = rng.randrange(1, 30)
+            runs = [(s, k) for s, k in _free_runs_of(pool.num_slots, held)]
+            fits = [(k, -s) for s, k in runs if k >= n]
+            got = pool.alloc("adapter", n, contiguous=True)
+            assert (got is None) == (n > free)
+            if got is None:
+                continue
+            if fits:
+                k, s = min(fits)
+                assert got.runs == ((-s + k - n, n),), "best fit, from the top of the highest such run"
+            ids = got.ids()
+            assert len(set(ids)) == n and not set(ids) & held.keys()
+            held.update(dict.fromkeys(ids, "adapter"))
+            groups.append(("adapter", ids))
+        pool.check_invariants()
+        counts = {k: sum(1 for v in held.values() if v == k) for k in ("adapter", "kv_cached", "kv_running")}
+        assert {k: pool.num_of(k) for k in counts} == counts and pool.num_free == pool.num_slots - len(held)
+        if groups and rng.random() < 0.01:  # a double free is caught and changes nothing
+            kind, ids = groups[0]
+            other = "kv_cached" if kind != "kv_cached" else "adapter"
+            with pytest.raises(AssertionError, match=f"not all {other}|only"):
+                pool.release(other, ids)
+            pool.check_invariants()
+
+
+def _free_runs_of(num_slots: int, held: dict) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for s in range(num_slots + 1):
+        if s < num_slots and s not in held:
+            start = s if start is None else start
+        elif start is not None:
+            runs.append((start, s - start))
+            start = None
+    return runs
