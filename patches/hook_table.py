@@ -153,6 +153,18 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "GET /multilora/stats: every scheduler's counters over SGLang's internal-state channel", Process.HTTP,
                also=("sglang.srt.entrypoints.http_server.get_global_state",
                      f"{_TM}.get_internal_state")),
+    # ---- KV transfer between servers -----------------------------------------------------------------------------
+    _hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "after",
+          "kv_transfer:scheduler_internal_state", ("self", "recv_req"),
+          "run a KV export / import command (carried in the request's rid) in the scheduler loop"),
+    _hook("sglang.srt.entrypoints.http_server.launch_server", "before", "kv_transfer:add_routes", ("server_args",),
+          "install the admin routes /multilora/kv/export and /multilora/kv/import", Process.HTTP),
+    TouchPoint("sglang.srt.entrypoints.http_server.app", Kind.ROUTE, "patches.kv_transfer:add_routes", (),
+               "POST /multilora/kv/export, /multilora/kv/import: a request's cached KV out of one server's tree "
+               "and into another's (admin key required)", Process.HTTP,
+               also=("sglang.srt.entrypoints.http_server.get_global_state", "sglang.srt.entrypoints.http_server"
+                     ".get_serving", "sglang.srt.utils.auth.auth_level",
+                     "sglang.srt.managers.io_struct.GetInternalStateReq", f"{_TM}.auto_create_handle_loop")),
     _hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "after",
           "debug_checks:process_batch_result", ("self", "batch", "result"),
           "--multilora-check-invariants (test mode): the tree's invariants after every step"),

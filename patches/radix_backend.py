@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from sgl_multilora.adapters import find_invocation_start
+from sgl_multilora.adapters import AdapterSpec, find_invocation_start
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind, TreeStats
@@ -94,15 +94,26 @@ class MultiLoRARadixCache(RadixCache):
         spec = self.adapters.spec(lora_id)
         if spec is None:
             raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
+        return self.key_for(namespace, spec, token_ids, req.origin_input_ids)
+
+    def key_for(self, namespace: Namespace, spec: AdapterSpec | None, token_ids, prompt_ids) -> MatchKey:
+        """The tree key of `token_ids` under `namespace` for adapter `spec` (None: the base model); an aLoRA's
+        activation start is found in `prompt_ids`, the request's prompt."""
+        if spec is None:
+            return MatchKey(namespace, None, token_ids)
         adapter = self._adapter_refs.get(spec.identity)
         if adapter is None:
             adapter = self._adapter_refs[spec.identity] = AdapterRef(identity=spec.identity, name=spec.name)
         if not spec.is_alora:
             return MatchKey(namespace, adapter, token_ids)
-        k = find_invocation_start(req.origin_input_ids, spec.alora_invocation_tokens)
+        k = find_invocation_start(prompt_ids, spec.alora_invocation_tokens)
         if k is None:  # the adapter never activates: every token is base KV
             return MatchKey(namespace, None, token_ids)
         return MatchKey(namespace, adapter, token_ids, alora_start=k)
+
+    def namespace_for(self, extra_key: str | None, cache_salt: str | None) -> Namespace:
+        """The namespace of a client's own `extra_key` and `cache_salt` (not the encoded request field)."""
+        return self._namespace(extra_key, cache_salt)
 
     def _key_without_req(self, key) -> MatchKey:
         """Key of a bare `RadixKey` (SGLang's in-batch heuristics pass no request): its namespace and adapter come

@@ -37,6 +37,13 @@ class AdapterRegistry:
         spec = self._specs.get(adapter_id)
         return spec.identity if spec is not None else None
 
+    def find(self, *, name: str | None = None, identity: str | None = None) -> tuple[str, AdapterSpec] | None:
+        """(id, spec) of a registered adapter with this name, or with this content identity; None if none."""
+        for adapter_id, spec in self._specs.items():
+            if (name is not None and spec.name == name) or (identity is not None and spec.identity == identity):
+                return adapter_id, spec
+        return None
+
     def loaded(self, adapter_id: str) -> LoadedAdapter | None:
         """The weights our LoRA layers compute with, or None where the engine's layers hold them."""
         return self._loaded.get(adapter_id)

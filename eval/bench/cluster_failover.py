@@ -77,7 +77,8 @@ def main(argv=None) -> None:
                     cluster.restart_worker(VICTIM)
                 cluster.set_policy(arm)  # every replay starts with every worker up and a fresh front
                 for url in cluster.worker_urls:
-                    requests.post(url + "/flush_cache", timeout=60)
+                    requests.post(url + "/flush_cache", headers=cluster.admin_headers,
+                                  timeout=60).raise_for_status()
                 killed: list[bool] = []
                 timer = threading.Timer(args.kill_at, kill, (cluster, VICTIM, killed))
                 load = os.getloadavg()[0]

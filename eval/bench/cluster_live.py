@@ -62,7 +62,7 @@ def pool_counters(urls: list[str]) -> dict:
 
 def measure(cluster: Cluster, arm: str, name: str, workload, served, results_path: Path, repeat: int) -> dict:
     for url in cluster.worker_urls:
-        requests.post(url + "/flush_cache", timeout=60)
+        requests.post(url + "/flush_cache", headers=cluster.admin_headers, timeout=60).raise_for_status()
     before = pool_counters(cluster.worker_urls)
     load = os.getloadavg()[0]
     results = replay(workload, [Target(arm, cluster.url)], results_path, name, served, timeout_s=900)

@@ -1,16 +1,16 @@
-"""What moving a running request between workers costs, live: token transfer + recompute through the cluster's
-gateway (sgl_multilora/cluster/carry.py) against the same request left where it is.
+"""What moving a running request between workers costs, live: KV transfer and token transfer + recompute through
+the cluster's gateway (sgl_multilora/cluster/carry.py, moves.py) against the same request left where it is.
 Not here: the cluster itself, or MELL's packing (simulated in eval/sim/cluster.py).
 
 Two CPU workers with the plugin behind smg and our gateway. Per prompt length (`--lengths`, tokens) and adapter
-(the base model and one LoRA), each repeat sends two fresh prompts of that length, one per arm, arm order
-alternating: `stay` streams `--new-tokens` greedy tokens where placement put it; `move` is moved to the other worker
-(`POST /cluster/migrate`) once `--move-after` tokens are out. Per request: TTFT, the median gap between chunks, and
-for `move` the stall (the gap from the last chunk before the move to the first one after it, which holds the abort,
-the destination's prefill of prompt + tokens so far, and its first decode step) and the end-to-end time. Greedy
-tokens of the two arms are checked equal per prompt (the same prompt is sent once more in the other arm, afterwards,
-to compare). The report gives medians (min-max) over repeats, and the stall over the stay arm's TTFT at that
-length (a move costs about one prefill of what the request holds).
+(the base model and one LoRA), each repeat sends three fresh prompts of that length, one per arm, arm order rotating:
+`stay` streams `--new-tokens` greedy tokens where placement put it; `recompute` and `kv` are moved to the other
+worker (`POST /cluster/migrate` with that kind) once `--move-after` tokens are out. Per request: TTFT, the median gap
+between chunks, and for a move the stall (the gap from the last chunk before the move to the first one after it:
+the abort, for `kv` the export, transfer and import of the KV, the destination's prefill of what did not arrive, and
+its first decode step) and the end-to-end time. Greedy tokens of each moved request are checked against the same
+prompt left in place (sent once more afterwards). The report gives medians (min-max) over repeats, each stall over
+the stay arm's TTFT at that length, and the KV stall over the recompute stall per repeat.
 
 Usage: .venv/bin/python -m eval.bench.migration_cost [--lengths 256,1024,2048] [--repeats 3]
            [--out eval/results/migration_cost.jsonl]
@@ -38,9 +38,14 @@ REPO = Path(__file__).resolve().parents[2]
 ADAPTER = "caps"
 
 
+MOVES = ("recompute", "kv")
+ARMS = ("stay", *MOVES)
+
+
 def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: str,
-            move_after: int | None) -> dict:
-    """Streams one request; with `move_after`, moves it once that many tokens are out. Times per chunk."""
+            move_after: int | None, kind: str | None = None) -> dict:
+    """Streams one request; with `move_after`, moves it (by `kind`) once that many tokens are out. Times per
+    chunk."""
     body = {"input_ids": ids, "lora_path": lora, "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
     sent = time.perf_counter()
@@ -57,7 +62,7 @@ def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: st
             counts.append(len(chunk["output_ids"]))
             final = chunk
             if move_after is not None and moved_at is None and counts[-1] >= move_after:
-                res = requests.post(url + "/cluster/migrate", json={"rid": rid}, timeout=60)
+                res = requests.post(url + "/cluster/migrate", json={"rid": rid, "kind": kind}, timeout=60)
                 res.raise_for_status()
                 moved_at = len(times) - 1
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -105,29 +110,31 @@ def main(argv=None) -> None:
             tqdm(total=len(trials), desc="trials", unit="trial") as bar:
         for rep, length, lora in trials:
             tag = f"{rep}-{length}-{lora or 'base'}"
-            prompts = {arm: prompt_ids(tokenizer, f"migration {tag} {arm}", length) for arm in ("stay", "move")}
-            order = ("stay", "move") if rep % 2 == 0 else ("move", "stay")
+            prompts = {arm: prompt_ids(tokenizer, f"migration {tag} {arm}", length) for arm in ARMS}
+            order = ARMS[rep % 3:] + ARMS[:rep % 3]
             out = {}
             for arm in order:
                 out[arm] = run_one(cluster.url, prompts[arm], lora, args.new_tokens, f"{arm}-{tag}",
-                                   args.move_after if arm == "move" else None)
-            # the moved request's tokens against the same prompt left in place (its prefix is cached by now, which
-            # changes no greedy token)
-            check = run_one(cluster.url, prompts["move"], lora, args.new_tokens, f"check-{tag}", None)
-            row = {"repeat": rep, "length": length, "adapter": lora or "base", "load_avg": os.getloadavg()[0],
-                   "tokens_equal": check["output_ids"] == out["move"]["output_ids"]}
-            for arm in ("stay", "move"):
+                                   None if arm == "stay" else args.move_after, None if arm == "stay" else arm)
+            row = {"repeat": rep, "length": length, "adapter": lora or "base", "load_avg": os.getloadavg()[0]}
+            for arm in MOVES:
+                # the moved request's tokens against the same prompt left in place (its prefix is cached by now,
+                # which changes no greedy token)
+                check = run_one(cluster.url, prompts[arm], lora, args.new_tokens, f"check-{arm}-{tag}", None)
+                row[f"{arm}_tokens_equal"] = check["output_ids"] == out[arm]["output_ids"]
+            for arm in ARMS:
                 row.update({f"{arm}_{k}": v for k, v in out[arm].items() if k != "output_ids"})
             rows.append(row)
             bar.write(f"rep {rep} {length:5d} tokens {row['adapter']:5s} TTFT {row['stay_ttft_s']:.2f} s, stall "
-                      f"{row['move_stall_s']:.2f} s at token {row['move_moved_at_token']}, e2e stay "
-                      f"{row['stay_e2e_s']:.2f} s move {row['move_e2e_s']:.2f} s, tokens equal {row['tokens_equal']}")
+                      f"recompute {row['recompute_stall_s']:.2f} s, kv {row['kv_stall_s']:.2f} s "
+                      f"({row['kv_migrations'][0].get('kv_tokens')} tokens moved), tokens equal "
+                      f"{row['recompute_tokens_equal']} {row['kv_tokens_equal']}")
             bar.update(1)
         moves = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["migrations"]
     setup = {"workers": 2, "lengths": lengths, "new_tokens": args.new_tokens, "move_after": args.move_after,
                   "repeats": args.repeats, "adapters": ["base", ADAPTER], "max_total_tokens": args.max_total_tokens,
                   "worker_args": worker_args[2:], "router": "smg 1.13.0", "migrations_counted": moves,
-                  "protocol": "fresh prompt per request; arms alternate order per repeat; one request at a time"}
+                  "protocol": "fresh prompt per request; arm order rotates per repeat; one request at a time"}
     record = run_record(setup, rows, load_start)
     save(args.out, record, report)
 
@@ -135,23 +142,32 @@ def main(argv=None) -> None:
 
 def report(record: dict) -> str:
     s, rows = record["setup"], record["rows"]
-    lines = [f"# Moving a running request between workers: token transfer + recompute ({record['date'][:10]})", "",
+    title = f"# Moving a running request between workers: KV transfer vs token transfer + recompute ({record['date'][:10]})"
+    lines = [title, "",
              (f"Two CPU workers behind smg and the gateway; {s['new_tokens']} greedy tokens per request, moved after "
-             f"{s['move_after']}; {s['repeats']} repeats; {s['protocol']}. Machine: {record['device']}."), "",
-             ("| prompt tokens | adapter | stay TTFT s | move stall s | stall / TTFT | inter-chunk gap s | "
-             "e2e stay s | e2e move s | tokens equal |"),
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+              f"{s['move_after']}; {s['repeats']} repeats; {s['protocol']}. Machine: {record['device']}. Stall: the "
+              f"gap in the client's stream at the move. Medians (min-max) over repeats."), "",
+             ("| prompt tokens | adapter | stay TTFT s | recompute stall s | kv stall s | kv / recompute stall | "
+              "recompute stall / TTFT | kv stall / TTFT | KV moved (tokens, MB) | inter-chunk gap s | tokens equal "
+              "(recompute, kv) |"),
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for length in s["lengths"]:
         for adapter in s["adapters"]:
             rs = [r for r in rows if r["length"] == length and r["adapter"] == adapter]
             if not rs:
                 continue
-            ratio = [r["move_stall_s"] / r["stay_ttft_s"] for r in rs]
-            lines.append(f"| {length} | {adapter} | {median_range([r['stay_ttft_s'] for r in rs])} | "
-                         f"{median_range([r['move_stall_s'] for r in rs])} | {median_range(ratio)} | "
-                         f"{median_range([r['stay_median_gap_s'] for r in rs], '{:.3f}')} | "
-                         f"{median_range([r['stay_e2e_s'] for r in rs])} | {median_range([r['move_e2e_s'] for r in rs])} | "
-                         f"{sum(r['tokens_equal'] for r in rs)}/{len(rs)} |")
+            moved = [r["kv_migrations"][0] for r in rs]
+            tokens = statistics.median(m.get("kv_tokens") or 0 for m in moved)
+            mb = statistics.median((m.get("kv_bytes") or 0) / 1e6 for m in moved)
+            lines.append(
+                f"| {length} | {adapter} | {median_range([r['stay_ttft_s'] for r in rs])} | "
+                f"{median_range([r['recompute_stall_s'] for r in rs])} | {median_range([r['kv_stall_s'] for r in rs])} | "
+                f"{median_range([r['kv_stall_s'] / r['recompute_stall_s'] for r in rs])} | "
+                f"{median_range([r['recompute_stall_s'] / r['stay_ttft_s'] for r in rs])} | "
+                f"{median_range([r['kv_stall_s'] / r['stay_ttft_s'] for r in rs])} | {tokens:.0f}, {mb:.1f} | "
+                f"{median_range([r['stay_median_gap_s'] for r in rs], '{:.3f}')} | "
+                f"{sum(r['recompute_tokens_equal'] for r in rs)}/{len(rs)}, {sum(r['kv_tokens_equal'] for r in rs)}/"
+                f"{len(rs)} |")
     lines += ["", f"Moves counted by the gateway: {s['migrations_counted']}."]
     return "\n".join(lines) + "\n"
 

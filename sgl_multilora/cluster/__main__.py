@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router  {cluster.router_url}  (policy {args.policy}, metrics {cluster.metrics_url})")
             for url in cluster.worker_urls:
                 print(f"worker  {url}")
+            if cluster.admin_key_file is not None:
+                print(f"the workers' admin API key (for their admin routes) is in {cluster.admin_key_file}")
             print("Ctrl-C stops the cluster", flush=True)
             restarts = [0] * len(cluster.workers)
             while True:

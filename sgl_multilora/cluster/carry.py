@@ -9,12 +9,15 @@ and keeps what the worker has produced so far: SGLang's stream repeats the whole
 (`output_ids` and `text` cumulative; with `--incremental-streaming-output` each chunk is a delta, also handled).
 The client gets the same stream, or the final object if it did not ask for a stream.
 
-A move is token transfer + recompute:
-  1. the request is aborted at its worker (`/abort_request` with its rid, sent to that worker);
+A move:
+  1. the request is aborted at its worker (`/abort_request` with its rid, sent to that worker), whose tree keeps
+     the request's KV as cached KV;
   2. every token the worker produced up to the abort is kept (the abort's last chunk carries them);
-  3. the destination gets `input_ids = prompt ids + output so far`, the same sampling parameters with
+  3. the KV goes along when the gateway's cost model picks a KV transfer (moves.py: exported from the source's
+     tree, imported into the destination's); otherwise, and when the source failed, it is recomputed;
+  4. the destination gets `input_ids = prompt ids + output so far`, the same sampling parameters with
      `max_new_tokens` (and `min_new_tokens`) reduced by the tokens already out, and the same adapter;
-  4. the destination's chunks reach the client as continuations: output ids and text appended to what it has,
+  5. the destination's chunks reach the client as continuations: output ids and text appended to what it has,
      `completion_tokens` counted over both segments, `prompt_tokens` its own prompt's.
 The client sees one stream without a gap or a repeated token, and `meta_info["migrations"]` lists the moves.
 Moves happen when asked (`POST /cluster/migrate`) and when the worker fails mid-request (the connection drops or
@@ -22,7 +25,7 @@ smg answers 5xx and the worker's `/health` does not answer): the request then fi
 ends with an error naming the failures after `MAX_FAILOVERS` of them. The prompt's ids come from the destination's
 `/tokenize`, the tokenizer SGLang applies to `text`. Greedy decoding gives the tokens one worker gives (tested).
 Limits: text is joined per segment, so a character whose bytes straddle a move, or a stop string that does,
-is not seen whole; moving the cached KV itself instead of recomputing it (MELL's KV transfer) is not done here.
+is not seen whole.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Front(Protocol):
     async def worker_alive(self, worker: int) -> bool: ...
     def pick_other(self, adapter: str | None, prompt: str, exclude: int) -> int | None: ...
     def count_migration(self, kind: str, src: int, dst: int) -> None: ...
+    async def carry_kv(self, carried: CarriedRequest, src: int, dst: int) -> tuple[str, dict]: ...
 
 
 class ClientGone(Exception):
@@ -97,6 +101,7 @@ class CarriedRequest:
         self.last: dict | None = None  # the last chunk given to the client (or kept for it)
         self.migrations: list[dict] = []
         self.move_to: int | None = None  # asked for, not done yet
+        self.move_kind: str | None = None  # "kv" or "recompute" when the move's asker chose; None: the cost model
         self.client_aborted = False
         self.failures: list[str] = []
         self.response: web.StreamResponse | None = None
@@ -142,7 +147,11 @@ class CarriedRequest:
                 break
             if self.prompt_ids is None:
                 self.prompt_ids = await self._tokenize(dst)
-            self.migrations.append({"from": src, "to": dst, "kind": kind, "at_token": len(self.done_ids)})
+            details: dict = {}
+            if kind == "recompute":  # the source is alive: its KV may go along
+                kind, details = await self.gw.carry_kv(self, src, dst)
+            self.migrations.append({"from": src, "to": dst, "kind": kind, "at_token": len(self.done_ids),
+                                    **details})
             self.gw.count_migration(kind, src, dst)
             self.worker = dst
             self.finish_reason = None
@@ -156,9 +165,10 @@ class CarriedRequest:
     def _headers(self) -> dict:
         return {ROUTED_HEADER: self.answered_by} if self.answered_by else {}
 
-    async def ask_move(self, dst: int) -> None:
-        """Moves the request to worker `dst` at the next chunk (aborts it where it runs)."""
-        self.move_to = dst
+    async def ask_move(self, dst: int, kind: str | None = None) -> None:
+        """Moves the request to worker `dst` at the next chunk (aborts it where it runs); `kind` "kv" or
+        "recompute" overrides the gateway's choice for this move."""
+        self.move_to, self.move_kind = dst, kind
         await self._abort_upstream()
 
     async def client_abort(self) -> None:
@@ -286,8 +296,11 @@ class CarriedRequest:
         url = self.gw.worker_urls[self.worker]
         try:
             async with self.gw.session.post(url + "/abort_request", json={"rid": self.upstream_rid},
+                                            headers=self.gw.admin_headers(),  # an admin route in SGLang
                                             timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                await r.read()
+                text = await r.text()
+                if r.status != 200:
+                    logger.warning("abort of %s at %s answered %d: %s", self.upstream_rid, url, r.status, text[:200])
         except (TimeoutError, aiohttp.ClientError) as e:
             logger.warning("abort of %s at %s failed: %s", self.upstream_rid, url, e)
 

@@ -33,12 +33,14 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 
 import aiohttp
 from aiohttp import web
 
 from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
-from sgl_multilora.cluster.moves import MovesMixin
+from sgl_multilora.cluster.launch import ADMIN_KEY_ENV
+from sgl_multilora.cluster.moves import INITIAL_LINK_BYTES_PER_S, MIGRATION_KINDS, MovesMixin
 from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
@@ -75,7 +77,10 @@ def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
 
 
 class Gateway(MovesMixin):
-    def __init__(self, router_url: str, worker_urls: list[str], placement: Placement) -> None:
+    def __init__(self, router_url: str, worker_urls: list[str], placement: Placement, *, migration: str = "auto",
+                 admin_key: str | None = None) -> None:
+        if migration not in MIGRATION_KINDS:
+            raise ValueError(f"migration must be one of {', '.join(MIGRATION_KINDS)}, got {migration!r}")
         self.router_url, self.worker_urls, self.placement = router_url.rstrip("/"), worker_urls, placement
         self.in_flight = [0] * len(worker_urls)
         self.smg_index: dict[str, list[int]] = {}  # route kind -> our worker -> smg's index
@@ -84,7 +89,10 @@ class Gateway(MovesMixin):
         self.relearned = 0
         self.incremental = False  # the workers stream deltas (--incremental-streaming-output)
         self.carried: dict[str, CarriedRequest] = {}  # rid -> a single-prompt /generate request in flight
-        self.migrations: dict[str, int] = {"recompute": 0, "failover": 0}
+        self.migrations: dict[str, int] = {"kv": 0, "recompute": 0, "failover": 0}
+        self.migration, self.admin_key = migration, admin_key
+        self.link_bytes_per_s = INITIAL_LINK_BYTES_PER_S  # measured over KV transfers
+        self.kv_moves = {"tokens": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.down_events = 0
         self._relearning: asyncio.Task | None = None
 
@@ -206,6 +214,9 @@ class Gateway(MovesMixin):
         return web.json_response({"router": self.router_url, "placement": self.placement.view(),
                                   "relearned_order": self.relearned, "carried": len(self.carried),
                                   "migrations": self.migrations, "down": sorted(self.placement.down),
+                                  "kv_transfer": {**self.kv_moves, "policy": self.migration,
+                                                  "enabled": bool(self.admin_key),
+                                                  "link_bytes_per_s": round(self.link_bytes_per_s)},
                                   "down_events": self.down_events, "workers": list(workers)})
 
 
@@ -232,11 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--balance-abs", type=int, default=2, help="overloaded: this many more requests in "
                         "flight than the least loaded worker ...")
     parser.add_argument("--balance-rel", type=float, default=1.5, help="... and this many times its count")
+    parser.add_argument("--migration", choices=MIGRATION_KINDS, default="auto",
+                        help="how a moved request's KV reaches its new worker: auto (per move, the cheaper by the "
+                        "measured link and prefill speeds), kv (always transferred), recompute (always recomputed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     placement = Placement(len(args.worker_urls), replication=args.replication, cache_threshold=args.cache_threshold,
                           balance_abs=args.balance_abs, balance_rel=args.balance_rel)
-    gateway = Gateway(args.router_url, [u.rstrip("/") for u in args.worker_urls], placement)
+    gateway = Gateway(args.router_url, [u.rstrip("/") for u in args.worker_urls], placement,
+                      migration=args.migration, admin_key=os.environ.get(ADMIN_KEY_ENV) or None)
     web.run_app(make_app(gateway), host=args.host, port=args.port, access_log=None, print=None)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ LORA_AWARE = "lora_aware"
 POLICIES = (LORA_AWARE, *SMG_POLICIES)
 # Flags the launcher sets itself on every worker.
 RESERVED_WORKER_FLAGS = ("--host", "--port")
+ADMIN_KEY_FLAG = "--admin-api-key"
+ADMIN_KEY_ENV = "SGL_MULTILORA_WORKER_ADMIN_KEY"  # how the gateway gets it (gateway.py reads it)
 
 
 class ClusterError(ServerStartError):
@@ -98,6 +101,20 @@ class Cluster:
         self.router: ServerHandle | None = None
         self.gateway: ServerHandle | None = None
         self.gateway_port = free_port() if policy == LORA_AWARE else None
+        # The workers' admin key: the gateway moves KV through their admin routes (patches/kv_transfer.py). The
+        # operator's own `--admin-api-key`, or one made here (readable by the owner only, in the log directory).
+        if ADMIN_KEY_FLAG in self.worker_args:
+            self.admin_api_key = self.worker_args[self.worker_args.index(ADMIN_KEY_FLAG) + 1]
+            self.admin_key_file: Path | None = None
+        else:
+            self.admin_api_key = secrets.token_urlsafe(24)
+            self.worker_args += [ADMIN_KEY_FLAG, self.admin_api_key]
+            self.admin_key_file = self.log_dir / "admin-api-key"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What a client sends to a worker's admin routes (`/flush_cache`, `/load_lora_adapter`, ...)."""
+        return {"Authorization": f"Bearer {self.admin_api_key}"}
 
     @property
     def router_url(self) -> str:
@@ -135,6 +152,10 @@ class Cluster:
             raise ClusterError(f"the router `smg` is not installed in {self.python}; "
                                f"install it with `pip install smg=={SMG_VERSION}`")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.admin_key_file is not None:
+            fd = os.open(self.admin_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.admin_api_key + "\n")
         try:
             for i, (port, url) in enumerate(zip(self.worker_ports, self.worker_urls)):
                 command = [self.python, "-m", "sglang.launch_server", *self.worker_args,
@@ -153,7 +174,8 @@ class Cluster:
         self._wait_registered()
         if self.gateway_port:
             gateway_url = f"http://{self.host}:{self.gateway_port}"
-            self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url, self.env)
+            self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url,
+                                  {**self.env, ADMIN_KEY_ENV: self.admin_api_key})
             self._wait([self.gateway], "/cluster/stats", "gateway")
 
     def _stop_front(self) -> None:

@@ -1,25 +1,130 @@
-"""The gateway's part in moving requests between workers: which workers are up, where a moving request goes, and
-`POST /cluster/migrate`. Lives here: `MovesMixin` (mixed into `Gateway`). Not here: a request's own stream and its
-moves (carry.py), routing (placement.py).
+"""The gateway's part in moving requests between workers: which workers are up, where a moving request goes, how
+its KV goes with it, and `POST /cluster/migrate`. Lives here: `MovesMixin` (mixed into `Gateway`). Not here: a
+request's own stream and its moves (carry.py), routing (placement.py), the cost model (cost.py).
+
+Per move, KV transfer or token transfer + recompute (MELL section V): the core `MigrationCostModel` plans the move
+with what was measured live: the source's KV bytes per token, the destination's prefill seconds per token (its
+unified pool measures them), and the channel's bytes per second over earlier transfers (export, HTTP, import). A KV
+transfer exports the request's cached KV from the source's tree (`POST /multilora/kv/export`, after the abort put
+it there) and imports it into the destination's (`POST /multilora/kv/import`); the continued request then matches
+it as a cached prefix, and whatever did not arrive is recomputed. Both routes are admin routes: the gateway uses the
+workers' admin key (`SGL_MULTILORA_WORKER_ADMIN_KEY`, set by the launcher); without one every move recomputes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 from aiohttp import web
 
 from sgl_multilora.cluster.carry import HEALTH_TIMEOUT_S, ROUTED_HEADER, CarriedRequest
+from sgl_multilora.cluster.cost import MigrationCostModel
 from sgl_multilora.cluster.placement import NoWorkerError
+from sgl_multilora.cluster.records import Move
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
+MIGRATION_KINDS = ("auto", "kv", "recompute")
+INITIAL_LINK_BYTES_PER_S = 200e6
+"""The channel's speed until a transfer was measured (then an exponential average of measured ones)."""
+LINK_EMA = 0.3
+TRANSFER_TIMEOUT_S = 120.0
 
 
 class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
-    relearned, _relearning and learn_order()."""
+    relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves and
+    admin_key."""
+
+    # ---- KV or recompute ----------------------------------------------------------------------------------------
+
+    def admin_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    async def _costs(self, worker: int) -> tuple[int | None, float | None]:
+        """(KV bytes per token, measured prefill seconds per token) from the worker's `/multilora/stats`."""
+        try:
+            async with self.session.get(self.worker_urls[worker] + "/multilora/stats",
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                memory = ((await r.json()).get("memory") or [None])[0] or {}
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None, None
+        return memory.get("kv_bytes_per_token"), (memory.get("unified_pool") or {}).get("recompute_s_per_token")
+
+    async def plan_move(self, rid: str, src: int, dst: int, tokens: int) -> tuple[str, dict]:
+        """("kv" or "recompute", the inputs of the choice) for moving a request holding `tokens` tokens."""
+        if not self.admin_key:
+            return "recompute", {"why": "the workers have no admin key"}
+        if self.migration != "auto":
+            return self.migration, {"why": f"--migration {self.migration}"}
+        (bytes_per_token, _), (_, s_per_token) = await asyncio.gather(self._costs(src), self._costs(dst))
+        default = MigrationCostModel()
+        model = MigrationCostModel(
+            kv_bytes_per_token=int(bytes_per_token or default.kv_bytes_per_token),
+            intra_bytes_per_s=self.link_bytes_per_s, inter_bytes_per_s=self.link_bytes_per_s,
+            instances_per_machine=len(self.worker_urls),
+            prefill_tokens_per_s=1.0 / s_per_token if s_per_token else default.prefill_tokens_per_s,
+            recompute_tokens_per_epoch=int(default.epoch_s / s_per_token) if s_per_token
+            else default.recompute_tokens_per_epoch)
+        move = Move(rid, src, dst, tokens)
+        plan = model.plan([move])[0]
+        return plan.kind, {"kv_s": round(model.kv_seconds(move), 4),
+                           "recompute_s": round(model.recompute_seconds(move), 4), "over_budget": plan.over_budget}
+
+    async def transfer_kv(self, src: int, dst: int, export: dict) -> dict:
+        """Exports the KV of `export["input_ids"]` at `src` and imports it at `dst`: {"tokens": KV tokens the
+        destination holds for them now, "bytes", "seconds"} ("error" instead when it failed: the move recomputes)."""
+        began = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S)
+        try:
+            async with self.session.post(self.worker_urls[src] + "/multilora/kv/export", json=export,
+                                         headers=self.admin_headers(), timeout=timeout) as r:
+                if r.status == 204:
+                    return {"tokens": 0, "bytes": 0, "seconds": time.perf_counter() - began}
+                if r.status != 200:
+                    return {"error": f"export at worker {src}: HTTP {r.status} {(await r.text())[:300]}"}
+                data = await r.read()
+            async with self.session.post(self.worker_urls[dst] + "/multilora/kv/import", data=data,
+                                         headers={**self.admin_headers(),
+                                                  "Content-Type": "application/octet-stream"},
+                                         timeout=timeout) as r:
+                if r.status != 200:
+                    return {"error": f"import at worker {dst}: HTTP {r.status} {(await r.text())[:300]}"}
+                answer = await r.json()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return {"error": f"{type(e).__name__} {e}"}
+        seconds = time.perf_counter() - began
+        rate = len(data) / max(seconds, 1e-6)
+        self.link_bytes_per_s += LINK_EMA * (rate - self.link_bytes_per_s)
+        self.kv_moves["bytes"] += len(data)
+        self.kv_moves["seconds"] += seconds
+        self.kv_moves["tokens"] += int(answer.get("imported") or 0)
+        return {"tokens": int(answer.get("imported") or 0) + int(answer.get("cached") or 0), "bytes": len(data),
+                "seconds": seconds, "reason": answer.get("reason")}
+
+    async def carry_kv(self, carried: CarriedRequest, src: int, dst: int) -> tuple[str, dict]:
+        """The move of a carried request from a live `src`: its KV transferred when the plan says so. Returns
+        (kind done, details for the request's migration record)."""
+        token_ids = carried.prompt_ids + carried.done_ids
+        forced, carried.move_kind = carried.move_kind, None
+        if forced is not None and (forced == "recompute" or self.admin_key):
+            kind, why = forced, {"why": "asked for"}
+        else:
+            kind, why = await self.plan_move(carried.rid, src, dst, len(token_ids))
+        if kind != "kv":
+            return "recompute", why
+        export = {"input_ids": token_ids, "lora_path": carried.adapter, "prompt_ids": carried.prompt_ids,
+                  "extra_key": carried.body.get("extra_key"), "cache_salt": carried.body.get("cache_salt")}
+        done = await self.transfer_kv(src, dst, export)
+        if "error" in done or done["tokens"] == 0:
+            logger.warning("request %s: KV transfer %d -> %d gave nothing (%s); recomputing", carried.rid, src, dst,
+                           done.get("error") or done.get("reason") or "nothing cached at the source")
+            self.kv_moves["failed"] += 1
+            return "recompute", {**why, "kv_error": done.get("error") or done.get("reason") or "nothing cached"}
+        return "kv", {**why, "kv_tokens": done["tokens"], "kv_bytes": done["bytes"],
+                      "kv_seconds": round(done["seconds"], 4)}
 
     async def _healthy(self, worker: int) -> bool:
         try:
@@ -75,8 +180,9 @@ class MovesMixin:
             self._relearning = asyncio.create_task(self.learn_order())
 
     async def migrate(self, request: web.Request) -> web.Response:
-        """`POST /cluster/migrate {"rid": ..., "to": worker}`: moves a running request (token transfer +
-        recompute); without "to", to the worker placement picks among the others."""
+        """`POST /cluster/migrate {"rid": ..., "to": worker, "kind": "kv" | "recompute"}`: moves a running request;
+        without "to", to the worker placement picks among the others; without "kind", KV transfer or recompute as
+        the cost model says (`plan_move`)."""
         try:
             body = await request.json()
         except ValueError:
@@ -85,6 +191,10 @@ class MovesMixin:
         if carried is None:
             return web.json_response({"error": f"no running request {body.get('rid')!r} that can move (only "
                                                f"single-prompt /generate requests without logprobs can)"}, status=404)
+        kind = body.get("kind")
+        if kind not in (None, "kv", "recompute"):
+            return web.json_response({"error": f"kind must be \"kv\" or \"recompute\" (or left out: the gateway "
+                                               f"picks), got {kind!r}"}, status=400)
         to = body.get("to")
         if to is None:
             to = self.pick_other(carried.adapter, carried.prompt, exclude=carried.worker)
@@ -96,8 +206,8 @@ class MovesMixin:
             return web.json_response({"error": f"request {carried.rid} is on worker {carried.worker} "
                                                f"(moving to {carried.move_to})"}, status=409)
         source = carried.worker
-        await carried.ask_move(to)
-        return web.json_response({"rid": carried.rid, "from": source, "to": to}, status=202)
+        await carried.ask_move(to, kind)
+        return web.json_response({"rid": carried.rid, "from": source, "to": to, "kind": kind}, status=202)
 
     async def _carry(self, request: web.Request, body: dict, adapter: str | None, prompt: str,
                      worker: int) -> web.StreamResponse:

@@ -15,13 +15,16 @@ import itertools
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import requests
 
 from tests.conftest import LORA_SERVER_ARGS, REPO
+from tests.e2e.served import wait_idle
 from tests.oracle import assert_matches, logprob_fields
 
 pytest.importorskip("smg", reason="the router `smg` is not installed (requirements/cpu.lock pins it)")
@@ -136,7 +139,8 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
         for chunk in sse(r):
             chunks.append(chunk)
             if moved is None and len(chunk["output_ids"]) >= 4:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me"}, timeout=60)
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me", "kind": "recompute"},
+                                      timeout=60)
                 assert moved.status_code == 202, moved.text
     final = assert_one_stream(chunks, n)
     src, dst = moved.json()["from"], moved.json()["to"]
@@ -151,6 +155,91 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
     assert view["migrations"]["recompute"] >= 1 and view["carried"] == 0
     gone = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me"}, timeout=60)
     assert gone.status_code == 404 and "no running request" in gone.text
+
+
+def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest, tokenizer, oracle):
+    """A KV move: the source's cached KV of the request is imported at the destination, which computes only what
+    did not arrive; the output is a single worker's and PEFT's, and the destination's accounting closes."""
+    caps = next(e for e in manifest if e["name"] == "caps")
+    ids = tokenizer("Moving KV: " + caps["example_input_text"], add_special_tokens=False)["input_ids"]
+    n = 48
+    body = {"input_ids": ids, "lora_path": "caps", **logprob_fields(),
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    chunks, moved = [], None
+    with requests.post(cluster.url + "/generate", json={**body, "rid": "move-kv", "stream": True}, stream=True,
+                       timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for chunk in sse(r):
+            chunks.append(chunk)
+            if moved is None and len(chunk["output_ids"]) >= 6:
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-kv", "kind": "kv"},
+                                      timeout=60)
+                assert moved.status_code == 202, moved.text
+    final = assert_one_stream(chunks, n)
+    src, dst = moved.json()["from"], moved.json()["to"]
+    [move] = final["meta_info"]["migrations"]
+    assert (move["from"], move["to"], move["kind"]) == (src, dst, "kv"), move
+    held = len(ids) + move["at_token"]  # prompt and output at the abort; the last token's KV is not computed yet
+    assert held - 1 <= move["kv_tokens"] <= held and move["kv_bytes"] > 0, move
+    # the destination computes at least the last token itself; everything before it came from the import
+    assert final["meta_info"]["cached_tokens"] >= min(move["kv_tokens"], held - 1), (final["meta_info"], move)
+    direct = requests.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
+    assert final["output_ids"] == direct["output_ids"] and final["text"] == direct["text"]
+    assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), "caps moved with its KV")
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert view["migrations"]["kv"] >= 1 and view["kv_transfer"]["tokens"] > 0, view["kv_transfer"]
+    m = wait_idle(SimpleNamespace(url=cluster.worker_urls[dst]))
+    slots = m["unified_pool"]["slots"]
+    assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
+    assert slots["free"] + slots["adapter"] + slots["kv_cached"] == m["total"], slots
+    assert slots["kv_cached"] == m["unified_pool"]["tree_kv_tokens"], m["unified_pool"]
+
+
+def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenizer):
+    """Export and import read and write any tenant's cache: admin key only. An import whose adapter identity is not
+    loaded, whose layout differs, or that is not a KV export at all is refused with a message saying so."""
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+
+    a, b = cluster.worker_urls
+    admin = cluster.admin_headers
+    ids = tokenizer("Admin routes guard the cache of every tenant.", add_special_tokens=False)["input_ids"]
+    generate(a, ids, "json")
+    export = {"input_ids": ids, "lora_path": "json"}
+    for route, kwargs in (("export", {"json": export}), ("import", {"data": b"x"})):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = requests.post(f"{a}/multilora/kv/{route}", headers=headers, timeout=60, **kwargs)
+            assert r.status_code == 401, (route, headers, r.status_code, r.text)
+    r = requests.post(a + "/multilora/kv/export", json=export, headers=admin, timeout=60)
+    assert r.status_code == 200 and int(r.headers["X-Multilora-KV-Tokens"]) == len(ids), (r.status_code, r.text)
+    data = r.content
+    unknown = requests.post(a + "/multilora/kv/export", json={**export, "lora_path": "nope"}, headers=admin,
+                            timeout=60)
+    assert unknown.status_code == 400 and "'nope' is not loaded" in unknown.text, unknown.text
+
+    def reimport(tensors, **metadata) -> requests.Response:
+        with tempfile.NamedTemporaryFile() as f:
+            f.write(data)
+            f.flush()
+            with safe_open(f.name, framework="pt") as g:
+                meta = {**g.metadata(), **metadata}
+        return requests.post(b + "/multilora/kv/import", data=save(tensors, metadata=meta), headers=admin,
+                             timeout=60)
+
+    tensors = load(data)
+    foreign = reimport(tensors, adapter_identity=json.dumps("0" * 64))
+    assert foreign.status_code == 400 and "no adapter with the KV's identity" in foreign.text, foreign.text
+    cut = reimport({"k": tensors["k"][1:], "v": tensors["v"][1:]})
+    assert cut.status_code == 400 and "differs" not in cut.text and "must be" in cut.text, cut.text
+    garbage = requests.post(b + "/multilora/kv/import", data=b"not a KV export", headers=admin, timeout=60)
+    assert garbage.status_code == 400 and "safetensors" in garbage.text, garbage.text
+    ok = requests.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60)
+    assert ok.status_code == 200 and ok.json()["imported"] + ok.json()["cached"] == len(ids), ok.text
+    again = requests.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60).json()
+    assert again["imported"] == 0 and again["cached"] == len(ids), again  # never written twice
+    hit = requests.post(b + "/generate", timeout=300, json={
+        "input_ids": ids, "lora_path": "json", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
+    assert hit["meta_info"]["cached_tokens"] == len(ids) - 1, hit["meta_info"]
 
 
 def test_worker_stopped_mid_request_finishes_elsewhere_and_comes_back(cluster):
