@@ -32,6 +32,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="an extra `smg launch` argument (repeat, e.g. --router-arg=--cache-threshold "
                              "--router-arg=0.5)")
+    parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument of our gateway with lora_aware (repeat, e.g. --gateway-arg=--balancer "
+                             "--gateway-arg=mell for MELL's live KV balancing, --gateway-arg=--migration "
+                             "--gateway-arg=recompute)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="times a worker that exits is started again before the cluster stops (default: 3; "
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop_on_signal)
     cluster = Cluster(args.workers, worker_args, policy=args.policy, router_port=args.router_port, host=args.host,
-                      router_args=args.router_arg, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout)
+                      router_args=args.router_arg, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+                      gateway_args=args.gateway_arg)
     try:
         print(f"starting {args.workers} workers (logs in {cluster.log_dir}) ...", flush=True)
         with cluster:

@@ -146,7 +146,7 @@ class CarriedRequest:
                 await self._emit(self._final_without_move())
                 break
             if self.prompt_ids is None:
-                self.prompt_ids = await self._tokenize(dst)
+                self.prompt_ids = await self.tokenize(dst)
             details: dict = {}
             if kind == "recompute":  # the source is alive: its KV may go along
                 kind, details = await self.gw.carry_kv(self, src, dst)
@@ -251,6 +251,8 @@ class CarriedRequest:
         else:
             self.seg_ids, self.seg_text = out.get("output_ids") or [], out.get("text") or ""
             self.seg_lp = {k: meta[k] for k in OUTPUT_LOGPROBS if meta.get(k) is not None}
+        if self.prompt_ids is not None:
+            self.gw.progress(self, len(self.prompt_ids) + len(self.done_ids) + len(self.seg_ids))
         reason = meta.get("finish_reason") or {}
         self.finish_reason = reason if isinstance(reason, dict) else {"type": str(reason)}
         if isinstance(reason, dict) and reason.get("type") == "abort" and self.move_to is not None \
@@ -320,7 +322,7 @@ class CarriedRequest:
             return None
         return self.gw.pick_other(self.adapter, self.prompt, exclude=self.worker)
 
-    async def _tokenize(self, worker: int) -> list[int]:
+    async def tokenize(self, worker: int) -> list[int]:
         async with self.gw.session.post(self.gw.worker_urls[worker] + "/tokenize",
                                         json={"prompt": self.body["text"]}) as r:
             r.raise_for_status()

@@ -38,6 +38,7 @@ import os
 import aiohttp
 from aiohttp import web
 
+from sgl_multilora.cluster.balance import LiveBalancer
 from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
 from sgl_multilora.cluster.launch import ADMIN_KEY_ENV
 from sgl_multilora.cluster.moves import INITIAL_LINK_BYTES_PER_S, MIGRATION_KINDS, MovesMixin
@@ -78,7 +79,8 @@ def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
 
 class Gateway(MovesMixin):
     def __init__(self, router_url: str, worker_urls: list[str], placement: Placement, *, migration: str = "auto",
-                 admin_key: str | None = None) -> None:
+                 admin_key: str | None = None, balancer: LiveBalancer | None = None,
+                 balance_epoch_s: float = 0.4) -> None:
         if migration not in MIGRATION_KINDS:
             raise ValueError(f"migration must be one of {', '.join(MIGRATION_KINDS)}, got {migration!r}")
         self.router_url, self.worker_urls, self.placement = router_url.rstrip("/"), worker_urls, placement
@@ -93,6 +95,9 @@ class Gateway(MovesMixin):
         self.migration, self.admin_key = migration, admin_key
         self.link_bytes_per_s = INITIAL_LINK_BYTES_PER_S  # measured over KV transfers
         self.kv_moves = {"tokens": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.balancer, self.balance_epoch_s = balancer, balance_epoch_s
+        self.balanced_moves = 0
+        self._balancing: asyncio.Task | None = None
         self.down_events = 0
         self._relearning: asyncio.Task | None = None
 
@@ -104,9 +109,13 @@ class Gateway(MovesMixin):
             info = await r.json() if r.status == 200 else {}
         self.incremental = bool(info.get("incremental_streaming_output"))
         self._watching = asyncio.create_task(self.watch_down())
+        self._balancing = (asyncio.create_task(self.balance_epochs(self.balance_epoch_s))
+                           if self.balancer is not None else None)
 
     async def stop(self, app: web.Application) -> None:
         self._watching.cancel()
+        if self._balancing is not None:
+            self._balancing.cancel()
         await self.session.close()
 
     async def learn_order(self) -> None:
@@ -214,6 +223,8 @@ class Gateway(MovesMixin):
         return web.json_response({"router": self.router_url, "placement": self.placement.view(),
                                   "relearned_order": self.relearned, "carried": len(self.carried),
                                   "migrations": self.migrations, "down": sorted(self.placement.down),
+                                  "balancer": (None if self.balancer is None
+                                               else {**self.balancer.view(), "moves_started": self.balanced_moves}),
                                   "kv_transfer": {**self.kv_moves, "policy": self.migration,
                                                   "enabled": bool(self.admin_key),
                                                   "link_bytes_per_s": round(self.link_bytes_per_s)},
@@ -228,6 +239,17 @@ def make_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/cluster/migrate", gateway.migrate)
     app.router.add_route("*", "/{tail:.*}", gateway.handle)
     return app
+
+
+def _kv_capacity(url: str) -> int:
+    """A worker's KV token slots, from its `/multilora/stats` (its `--max-total-tokens`)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/multilora/stats", timeout=60) as r:
+        memory = (json.loads(r.read()).get("memory") or [None])[0] or {}
+    if not memory.get("total"):
+        raise SystemExit(f"{url}/multilora/stats reports no KV pool size; --balancer mell needs it")
+    return int(memory["total"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,12 +268,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--migration", choices=MIGRATION_KINDS, default="auto",
                         help="how a moved request's KV reaches its new worker: auto (per move, the cheaper by the "
                         "measured link and prefill speeds), kv (always transferred), recompute (always recomputed)")
+    parser.add_argument("--balancer", choices=("none", "mell"), default="none",
+                        help="mell: MELL's KV packing places carried requests and moves them as their KV grows "
+                        "(balance.py); none: placement alone")
+    parser.add_argument("--balance-fill", type=float, default=0.8,
+                        help="with --balancer mell: the share of a worker's KV slots the packing may fill")
+    parser.add_argument("--balance-epoch-s", type=float, default=0.4,
+                        help="with --balancer mell: queued Departs and Updates are applied once per epoch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     placement = Placement(len(args.worker_urls), replication=args.replication, cache_threshold=args.cache_threshold,
                           balance_abs=args.balance_abs, balance_rel=args.balance_rel)
-    gateway = Gateway(args.router_url, [u.rstrip("/") for u in args.worker_urls], placement,
-                      migration=args.migration, admin_key=os.environ.get(ADMIN_KEY_ENV) or None)
+    urls = [u.rstrip("/") for u in args.worker_urls]
+    balancer = None
+    if args.balancer == "mell":
+        from sgl_multilora.cluster.mell import MellPacker
+
+        capacity = min(_kv_capacity(url) for url in urls)
+        balancer = LiveBalancer(MellPacker(max(1, int(capacity * args.balance_fill))), len(urls))
+    gateway = Gateway(args.router_url, urls, placement, migration=args.migration,
+                      admin_key=os.environ.get(ADMIN_KEY_ENV) or None, balancer=balancer,
+                      balance_epoch_s=args.balance_epoch_s)
     web.run_app(make_app(gateway), host=args.host, port=args.port, access_log=None, print=None)
 
 

@@ -35,8 +35,8 @@ TRANSFER_TIMEOUT_S = 120.0
 
 class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
-    relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves and
-    admin_key."""
+    relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves,
+    admin_key, balancer (a `LiveBalancer` or None) and balanced_moves."""
 
     # ---- KV or recompute ----------------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class MovesMixin:
         """Asks the worker's `/health`; one that does not answer is marked down (nothing is routed to it)."""
         alive = await self._healthy(worker)
         if not alive and worker not in self.placement.down:
-            self.placement.set_down(worker)
+            self._set_down(worker)
             self.down_events += 1
             logger.error("worker %d (%s) is down: its requests continue on other workers", worker,
                          self.worker_urls[worker])
@@ -150,13 +150,43 @@ class MovesMixin:
             await asyncio.sleep(interval_s)
             for worker in sorted(self.placement.down):
                 if await self._healthy(worker):
-                    self.placement.set_down(worker, False)
+                    self._set_down(worker, False)
                     logger.warning("worker %d (%s) is back", worker, self.worker_urls[worker])
                     try:
                         await self.learn_order()
                     except RuntimeError as e:  # smg has not taken it back yet: out again until it does
                         logger.warning("%s", e)
-                        self.placement.set_down(worker)
+                        self._set_down(worker)
+
+    def _set_down(self, worker: int, down: bool = True) -> None:
+        self.placement.set_down(worker, down)
+        if self.balancer is not None:
+            self.balancer.set_down(worker, down)
+
+    # ---- MELL's balancing (--balancer mell) ------------------------------------------------------------------
+
+    async def run_moves(self, moves: list[tuple]) -> None:
+        """Starts the balancer's moves (rid, from worker, to worker) of carried requests still where it thinks."""
+        for rid, src, dst in moves:
+            carried = self.carried.get(rid)
+            if carried is None or carried.worker != src or carried.move_to is not None or dst in self.placement.down:
+                self.balancer.dropped()
+                continue
+            self.balanced_moves += 1
+            await carried.ask_move(dst)
+
+    async def balance_epochs(self, epoch_s: float) -> None:
+        """MELL's operation batching: the queued Departs and Updates are applied every `epoch_s`."""
+        while True:
+            await asyncio.sleep(epoch_s)
+            try:
+                await self.run_moves(self.balancer.epoch(self.in_flight))
+            except Exception:  # the packer's invariants are checked in tests; never stop balancing on one error
+                logger.exception("balancer epoch failed")
+
+    def progress(self, carried: CarriedRequest, kv_tokens: int) -> None:
+        if self.balancer is not None:
+            self.balancer.grew(carried.rid, kv_tokens)
 
     def pick_other(self, adapter: str | None, prompt: str, exclude: int) -> int | None:
         """Where a moving request goes: placement's choice among the other workers that are up."""
@@ -214,10 +244,21 @@ class MovesMixin:
         carried = CarriedRequest(self, body, worker, adapter, prompt)
         if carried.rid in self.carried:
             return web.json_response({"error": f"request id {carried.rid!r} is already in flight"}, status=400)
+        moves: list[tuple] = []
+        if self.balancer is not None:  # MELL places it: Allocate by its prompt's KV tokens
+            if carried.prompt_ids is None:
+                carried.prompt_ids = await carried.tokenize(worker)
+            packed, moves = self.balancer.allocate(carried.rid, len(carried.prompt_ids), self.in_flight)
+            if packed is not None and packed not in self.placement.down:
+                carried.worker = packed
         self.carried[carried.rid] = carried
-        self.in_flight[worker] += 1
+        self.in_flight[carried.worker] += 1
         try:
+            if moves:
+                await self.run_moves(moves)
             return await carried.run(request)
         finally:
             self.in_flight[carried.worker] -= 1
             del self.carried[carried.rid]
+            if self.balancer is not None:
+                self.balancer.ended(carried.rid)

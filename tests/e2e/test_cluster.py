@@ -242,6 +242,46 @@ def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenize
     assert hit["meta_info"]["cached_tokens"] == len(ids) - 1, hit["meta_info"]
 
 
+def test_mell_balancer_moves_a_growing_request_and_outputs_stay_exact(cluster, tokenizer):
+    """`--balancer mell` on a packing capacity of 100 tokens per worker: two 40-token prompts are packed onto one
+    worker (MELL fills instances), and as both grow past the capacity together the packer's Update moves one of them
+    to another worker mid-generation; both outputs equal a single worker's, and the packing empties when they end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    saved = cluster.gateway_args
+    cluster.gateway_args = [*saved, "--balancer", "mell", "--balance-fill", str(100 / 4096)]
+    cluster.set_policy("lora_aware")  # a new gateway with the balancer; the workers stay
+    try:
+        prompts = [tokenizer(f"Balancer story {i}: the lighthouse keeper counted ships until dawn, and",
+                             add_special_tokens=False)["input_ids"] for i in range(2)]
+        prompts = [(p * 4)[:40] for p in prompts]
+        n = 48
+
+        def run(ids, url):
+            return requests.post(url + "/generate", timeout=300, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda ids: run(ids, cluster.url), prompts))
+        view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+        balancer = view["balancer"]
+        assert balancer["policy"] == "mell" and balancer["capacity_tokens"] == 100, balancer
+        moved = [a.json()["meta_info"].get("migrations") for a in answers]
+        assert balancer["moves_started"] >= 1 and any(moved), (balancer, moved)
+        assert balancer["peak_workers_in_use"] == 2 and balancer["max_unit_moves_per_op"] <= 10, balancer
+        for ids, answer in zip(prompts, answers):
+            direct = run(ids, cluster.worker_urls[0]).json()
+            assert answer.json()["output_ids"] == direct["output_ids"], answer.json()["meta_info"]
+        deadline = time.monotonic() + 10  # the last Departs are applied at the next epoch
+        while balancer["tracked"] or balancer["instances"]:
+            assert time.monotonic() < deadline, balancer
+            time.sleep(0.5)
+            balancer = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["balancer"]
+    finally:
+        cluster.gateway_args = saved
+        cluster.set_policy("lora_aware")
+
+
 def test_worker_stopped_mid_request_finishes_elsewhere_and_comes_back(cluster):
     n = 64
     body = {"text": "Tell a long story about a lighthouse keeper and the sea.",
