@@ -107,7 +107,7 @@ class Cluster:
             self.admin_api_key = self.worker_args[self.worker_args.index(ADMIN_KEY_FLAG) + 1]
             self.admin_key_file: Path | None = None
         else:
-            self.admin_api_key = secrets.token_urlsafe(24)
+            self.admin_api_key = secrets.token_hex(24)  # hex: never starts with "-", which argparse would take for a flag
             self.worker_args += [ADMIN_KEY_FLAG, self.admin_api_key]
             self.admin_key_file = self.log_dir / "admin-api-key"
 
