@@ -1,7 +1,6 @@
-"""Many instances, live: CPU workers with the plugin behind SGLang's router smg, our LoRA-aware placement against
-smg's own `cache_aware` and `round_robin` policies on the same workers.
-Not here: the cluster (sgl_multilora/cluster/launch.py, gateway.py, placement.py) or MELL's packing, which is
-simulated (eval/sim/cluster.py).
+"""Many instances, live: CPU workers with the plugin behind SGLang's router smg, our LoRA-aware placement (and with
+MELL's live KV balancing on top, arm `mell`) against smg's own `cache_aware` and `round_robin` policies on the same
+workers. Not here: the cluster (sgl_multilora/cluster/launch.py, gateway.py, placement.py, balance.py).
 
 `--workers` workers (the embedded model, `--radix-cache-backend multilora`: the unified pool of
 `--max-total-tokens` slots holds adapters and KV) start once and stay up; each arm restarts only the front (smg
@@ -10,8 +9,9 @@ random PEFT adapters, named and ranked as the workloads' (more adapters than one
 Each repeat replays every workload on every arm, the arm order rotating per repeat, on flushed caches. Per replay:
 TTFT (mean, P50, P99), prompt tokens served from cache (the prefix-hit rate the workers report per request), failed
 requests, and from the workers' `/multilora/stats`: KV and adapter evictions and adapter loads during the replay
-(overflow events: what the pools had to drop to take new work). The report gives the median (min-max) over
-repeats and per-repeat ratios to `lora_aware`.
+(overflow events: what the pools had to drop to take new work). For the gateway's arms, the moves it made by kind,
+and for `mell` the most workers its packing used at once (the rest an elastic deployment would stop). The report
+gives the median (min-max) over repeats and per-repeat ratios to `lora_aware`.
 
 Usage: .venv/bin/python -m eval.bench.cluster_live [--workers 3] [--workloads chatbot,agent] [--repeats 3]
            [--out eval/results/cluster_live.jsonl]
@@ -35,7 +35,8 @@ from sgl_multilora.cluster.launch import Cluster
 from sgl_multilora.server import cpu_server_args
 
 REPO = Path(__file__).resolve().parents[2]
-ARMS = ("lora_aware", "cache_aware", "round_robin")
+ARMS = ("lora_aware", "mell", "cache_aware", "round_robin")
+GATEWAY_ARMS = {"lora_aware": [], "mell": ["--balancer", "mell"]}  # arm -> our gateway's arguments
 WORKLOAD_PARAMS = {  # small enough for 3 CPU workers on 2 cores; adapters shared by both (same names and ranks)
     "chatbot": {"num_conversations": 8, "num_adapters": 12, "ranks": (16, 32), "mean_new_tokens": 40,
                 "mean_output_tokens": 10, "think_time_s": 3.0, "conversation_rate": 0.5, "mean_turns": 3,
@@ -69,8 +70,12 @@ def measure(cluster: Cluster, arm: str, name: str, workload, served, results_pat
     after = pool_counters(cluster.worker_urls)
     row = {"arm": arm, "workload": name, "repeat": repeat, "load_avg": load, **summarize(results),
            **{k: after[k] - before[k] for k in after}}
-    if arm == "lora_aware":
-        row["placement"] = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["placement"]
+    if arm in GATEWAY_ARMS:
+        view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+        row["placement"], row["migrations"] = view["placement"], view["migrations"]
+        if view.get("balancer"):
+            row["balancer"] = view["balancer"]
+            row["peak_workers_in_use"] = view["balancer"]["peak_workers_in_use"]
     return row
 
 
@@ -105,13 +110,20 @@ def main(argv=None) -> None:
     load_start = list(os.getloadavg())
     rows = []
     total = args.repeats * len(names) * len(arms)
-    with Cluster(args.workers, worker_args, policy=arms[0], log_dir=log_dir) as cluster, \
+    first_policy = "lora_aware" if arms[0] in GATEWAY_ARMS else arms[0]
+    with Cluster(args.workers, worker_args, policy=first_policy, log_dir=log_dir,
+                 gateway_args=GATEWAY_ARMS.get(arms[0], [])) as cluster, \
             tqdm(total=total, desc="replays", unit="replay") as bar:
         for rep in range(args.repeats):
             order = arms[rep % len(arms):] + arms[:rep % len(arms)]  # every arm takes every position
             for arm in order:
-                if cluster.policy != arm:
-                    cluster.set_policy(arm)
+                policy = "lora_aware" if arm in GATEWAY_ARMS else arm
+                gateway_args = GATEWAY_ARMS.get(arm, [])
+                if cluster.policy != policy or cluster.gateway_args != gateway_args:
+                    cluster.gateway_args = gateway_args
+                    cluster.set_policy(policy)  # a fresh front per arm (the workers stay)
+                elif arm in GATEWAY_ARMS:
+                    cluster.set_policy(policy)  # the gateway's counters start at zero
                 time.sleep(1.0)
                 for name in names:
                     rows.append(measure(cluster, arm, name, workloads[name], served, results_path, rep))
@@ -135,7 +147,7 @@ def main(argv=None) -> None:
 METRICS = (("mean TTFT s", "mean_ttft_s", "{:.2f}"), ("P99 TTFT s", "p99_ttft_s", "{:.2f}"),
            ("prompt tokens from cache", "cached_token_share", "{:.0%}"),
            ("KV tokens evicted", "kv_evicted_tokens", "{:.0f}"), ("adapter loads", "adapter_loads", "{:.0f}"),
-           ("failed", "num_failed", "{:.0f}"))
+           ("failed", "num_failed", "{:.0f}"), ("most workers in use (mell's packing)", "peak_workers_in_use", "{:.0f}"))
 
 
 def report(record: dict) -> str:
@@ -169,9 +181,18 @@ def report(record: dict) -> str:
             lines += [f"Placement (last repeat): routed per worker {p['routed']}, affinity {p['affinity']}, "
                       f"balanced {p['balanced']}, replica moves {p['moves']}; adapters on 2+ workers: "
                       f"{sum(len(w) > 1 for w in p['workers_of'].values())} of {len(p['workers_of'])}.", ""]
-    lines += [("Migrations: none in these replays (running requests move on `POST /cluster/migrate` and when a worker "
-               "fails, see eval/results/migration_cost.md and cluster_failover.md; MELL's packing, which would decide "
-               "moves, is simulated in eval/results/sim_mell.md).")]
+        for arm in (a for a in s["arms"] if a in GATEWAY_ARMS):
+            moved = [by[(workload, arm, r)].get("migrations") for r in reps if (workload, arm, r) in by]
+            if moved and moved[-1] is not None:
+                lines.append(f"Moves by the gateway, {arm} (per repeat): {moved}.")
+            bal = [by[(workload, arm, r)].get("balancer") for r in reps if (workload, arm, r) in by]
+            if bal and bal[-1]:
+                b = bal[-1]
+                lines.append(f"MELL's packing ({arm}, last repeat): capacity {b['capacity_tokens']} tokens per worker, "
+                             f"{b['operations']} operations, {b['planned_moves']} planned moves, "
+                             f"{b['moves_started']} started, {b['dropped_moves']} dropped, overcommitted "
+                             f"{b['overcommitted']}, unit moves per operation {b['unit_moves_per_op']}.")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
