@@ -24,8 +24,10 @@ Moves happen when asked (`POST /cluster/migrate`) and when the worker fails mid-
 smg answers 5xx and the worker's `/health` does not answer): the request then finishes on another worker, or
 ends with an error naming the failures after `MAX_FAILOVERS` of them. The prompt's ids come from the destination's
 `/tokenize`, the tokenizer SGLang applies to `text`. Greedy decoding gives the tokens one worker gives (tested).
-Limits: text is joined per segment, so a character whose bytes straddle a move, or a stop string that does,
-is not seen whole.
+After a move, the client's text is the whole output decoded together (`/detokenize` on the worker, once per chunk
+of a moved request), so a character whose bytes a move split comes out whole; a stop string the client asked for
+that straddles a move (neither worker saw it whole) ends the request there, cut as the worker would cut it. With
+`--incremental-streaming-output` workers the deltas are passed on per segment, without that joining.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class CarriedRequest:
         self.request: web.Request | None = None
         self.finish_reason: dict | None = None  # of the running segment's last chunk
         self.answered_by = ""  # smg's header naming the worker that answered the running segment
+        self.boundaries: list[int] = []  # where each move cut the text (characters of joined text before it)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -152,6 +155,9 @@ class CarriedRequest:
                 kind, details = await self.gw.carry_kv(self, src, dst)
             self.migrations.append({"from": src, "to": dst, "kind": kind, "at_token": len(self.done_ids),
                                     **details})
+            if not self.gw.incremental:  # what the client has seen, decoded whole (a move may split a character)
+                self.done_text = await self._decoded(self.done_ids, final=False, worker=dst)
+                self.boundaries.append(len(self.done_text))
             self.gw.count_migration(kind, src, dst)
             self.worker = dst
             self.finish_reason = None
@@ -259,23 +265,74 @@ class CarriedRequest:
                 and not self.client_aborted:
             return None  # our own abort: its tokens are kept, the chunk is not the client's
         if self.migrations:
-            await self._emit(self._joined(out))
+            joined, stopped = await self._joined(out)
+            await self._emit(joined)
+            if stopped:
+                await self._abort_upstream()  # the worker would go on: its stop check never saw the whole string
+                return "finished"
         else:
             await self._emit(out, data)  # the worker's chunk as it came
         return None
 
-    def _joined(self, out: dict) -> dict:
-        """A chunk of a moved request as its client sees it: output and counts over every segment (in place)."""
+    async def _joined(self, out: dict) -> tuple[dict, bool]:
+        """A chunk of a moved request as its client sees it (in place): output ids and logprobs over every segment,
+        the text of all of them decoded together, counts over both. Returns (chunk, stopped): stopped when a stop
+        string the client asked for straddles a move (neither worker saw it whole) and ends the request here."""
         meta = out.setdefault("meta_info", {})
+        stopped = False
         if not self.gw.incremental:  # deltas need no joining
-            out["output_ids"], out["text"] = self.done_ids + self.seg_ids, self.done_text + self.seg_text
-            for k, v in self.seg_lp.items():
-                meta[k] = self.done_lp[k] + v
+            ids = self.done_ids + self.seg_ids
+            lp = {k: self.done_lp[k] + v for k, v in self.seg_lp.items()}
+            text = await self._decoded(ids, final=bool(meta.get("finish_reason")))
+            found = self._straddling_stop(text)
+            if found is not None:  # cut where the stop string completes, as the worker would have
+                stop, at = found
+                ids, text = await self._cut_at(ids, at + len(stop))
+                trim = (self.body.get("sampling_params") or {}).get("no_stop_trim")
+                text = text if trim else text[:at]
+                lp = {k: v[:len(ids)] for k, v in lp.items()}
+                meta["finish_reason"] = {"type": "stop", "matched": stop}
+                stopped = True
+            out["output_ids"], out["text"] = ids, text
+            meta.update(lp)
         meta["id"] = self.rid
         meta["prompt_tokens"] = len(self.prompt_ids)
-        meta["completion_tokens"] = len(self.done_ids) + len(self.seg_ids)
+        meta["completion_tokens"] = len(out.get("output_ids") or []) if not self.gw.incremental else \
+            len(self.done_ids) + len(self.seg_ids)
         meta["migrations"] = self.migrations
-        return out
+        return out, stopped
+
+    async def _decoded(self, ids: list[int], final: bool, worker: int | None = None) -> str:
+        """The text of `ids` decoded together by a worker's tokenizer (the running one by default); while the
+        request runs, without a trailing incomplete character (the worker's own stream holds those back too)."""
+        params = self.body.get("sampling_params") or {}
+        url = self.gw.worker_urls[self.worker if worker is None else worker]
+        async with self.gw.session.post(url + "/detokenize", json={
+                "tokens": ids, "skip_special_tokens": params.get("skip_special_tokens", True)}) as r:
+            r.raise_for_status()
+            text = (await r.json())["text"]
+        return text if final else text.rstrip("\ufffd")
+
+    def _straddling_stop(self, text: str) -> tuple[str, int] | None:
+        """(stop string, where it starts) of the first stop string that crosses a move's boundary in `text`."""
+        stop = (self.body.get("sampling_params") or {}).get("stop")
+        stops = [stop] if isinstance(stop, str) else [x for x in (stop or []) if isinstance(x, str) and x]
+        best = None
+        for boundary in self.boundaries:
+            for s in stops:
+                start = max(0, boundary - len(s) + 1)
+                at = text.find(s, start, boundary + len(s) - 1)
+                if at != -1 and (best is None or at < best[1]):
+                    best = (s, at)
+        return best
+
+    async def _cut_at(self, ids: list[int], end: int) -> tuple[list[int], str]:
+        """The shortest prefix of `ids` whose text reaches `end` characters, and that text."""
+        for k in range(max(1, len(self.done_ids)), len(ids) + 1):
+            text = await self._decoded(ids[:k], final=True)
+            if len(text) >= end:
+                return ids[:k], text
+        return ids, await self._decoded(ids, final=True)
 
     async def _emit(self, out: dict, raw: bytes | None = None) -> None:
         """Keeps `out` as the client's latest chunk and streams it to a streaming client (`raw`: its JSON as the

@@ -85,23 +85,29 @@ class MovesMixin:
                     return {"tokens": 0, "bytes": 0, "seconds": time.perf_counter() - began}
                 if r.status != 200:
                     return {"error": f"export at worker {src}: HTTP {r.status} {(await r.text())[:300]}"}
-                data = await r.read()
-            async with self.session.post(self.worker_urls[dst] + "/multilora/kv/import", data=data,
-                                         headers={**self.admin_headers(),
-                                                  "Content-Type": "application/octet-stream"},
-                                         timeout=timeout) as r:
-                if r.status != 200:
-                    return {"error": f"import at worker {dst}: HTTP {r.status} {(await r.text())[:300]}"}
-                answer = await r.json()
+                sent = [0]
+
+                async def relay():  # the export streams into the import as it arrives (no copy held here)
+                    async for piece in r.content.iter_chunked(1 << 20):
+                        sent[0] += len(piece)
+                        yield piece
+
+                async with self.session.post(self.worker_urls[dst] + "/multilora/kv/import", data=relay(),
+                                             headers={**self.admin_headers(),
+                                                      "Content-Type": "application/octet-stream"},
+                                             timeout=timeout) as r2:
+                    if r2.status != 200:
+                        return {"error": f"import at worker {dst}: HTTP {r2.status} {(await r2.text())[:300]}"}
+                    answer = await r2.json()
         except (TimeoutError, aiohttp.ClientError) as e:
             return {"error": f"{type(e).__name__} {e}"}
-        seconds = time.perf_counter() - began
-        rate = len(data) / max(seconds, 1e-6)
+        seconds, size = time.perf_counter() - began, sent[0]
+        rate = size / max(seconds, 1e-6)
         self.link_bytes_per_s += LINK_EMA * (rate - self.link_bytes_per_s)
-        self.kv_moves["bytes"] += len(data)
+        self.kv_moves["bytes"] += size
         self.kv_moves["seconds"] += seconds
         self.kv_moves["tokens"] += int(answer.get("imported") or 0)
-        return {"tokens": int(answer.get("imported") or 0) + int(answer.get("cached") or 0), "bytes": len(data),
+        return {"tokens": int(answer.get("imported") or 0) + int(answer.get("cached") or 0), "bytes": size,
                 "seconds": seconds, "reason": answer.get("reason")}
 
     async def carry_kv(self, carried: CarriedRequest, src: int, dst: int) -> tuple[str, dict]:
