@@ -157,23 +157,24 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
     assert gone.status_code == 404 and "no running request" in gone.text
 
 
-def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest, tokenizer, oracle):
+@pytest.mark.parametrize("name", ["caps", "check_caps"])  # a LoRA, and an aLoRA (base prefix + adapter suffix)
+def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest, tokenizer, oracle, name):
     """A KV move: the source's cached KV of the request is imported at the destination, which computes only what
     did not arrive; the output is a single worker's and PEFT's, and the destination's accounting closes."""
-    caps = next(e for e in manifest if e["name"] == "caps")
+    caps = next(e for e in manifest if e["name"] == name)
     ids = tokenizer("Moving KV: " + caps["example_input_text"], add_special_tokens=False)["input_ids"]
     n = 48
-    body = {"input_ids": ids, "lora_path": "caps", **logprob_fields(),
+    rid = f"move-kv-{name}"
+    body = {"input_ids": ids, "lora_path": name, **logprob_fields(),
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     chunks, moved = [], None
-    with requests.post(cluster.url + "/generate", json={**body, "rid": "move-kv", "stream": True}, stream=True,
+    with requests.post(cluster.url + "/generate", json={**body, "rid": rid, "stream": True}, stream=True,
                        timeout=300) as r:
         assert r.status_code == 200, r.text
         for chunk in sse(r):
             chunks.append(chunk)
             if moved is None and len(chunk["output_ids"]) >= 6:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-kv", "kind": "kv"},
-                                      timeout=60)
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
                 assert moved.status_code == 202, moved.text
     final = assert_one_stream(chunks, n)
     src, dst = moved.json()["from"], moved.json()["to"]
@@ -185,7 +186,7 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     assert final["meta_info"]["cached_tokens"] >= min(move["kv_tokens"], held - 1), (final["meta_info"], move)
     direct = requests.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
     assert final["output_ids"] == direct["output_ids"] and final["text"] == direct["text"]
-    assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), "caps moved with its KV")
+    assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), f"{name} moved with its KV")
     view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["kv"] >= 1 and view["kv_transfer"]["tokens"] > 0, view["kv_transfer"]
     m = wait_idle(SimpleNamespace(url=cluster.worker_urls[dst]))
