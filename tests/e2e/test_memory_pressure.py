@@ -26,6 +26,7 @@ BUDGET_TOKENS = 640  # --max-total-tokens
 CONTEXT_TOKENS = 160  # per context; 6 contexts x 3 requests (base, LoRA, aLoRA) ~ 2.9k prompt tokens
 NUM_CONTEXTS = 6
 NEW_TOKENS = 8
+ADMIN_KEY = "memory-pressure-admin"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def server(model_path):
         "--enable-lora", "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4",
         "--max-lora-rank", "32", "--radix-cache-backend", "multilora", "--chunked-prefill-size", "96",
         "--multilora-check-invariants", "--multilora-memory", "separate",  # the KV budget is KV's alone here
+        "--admin-api-key", ADMIN_KEY,  # the KV transfer routes (the last test)
     ], name="e2e_memory_pressure", max_total_tokens=BUDGET_TOKENS,
         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
     yield handle
@@ -109,4 +111,35 @@ def test_outputs_match_peft_while_the_tree_evicts_and_recomputes(server, tokeniz
     assert tree["num_evicted_tokens"] > 2 * BUDGET_TOKENS, tree
     m = stats["memory"][0]
     assert m["running"] == 0 and m["waiting"] == 0, m
+    assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
+
+
+def test_kv_exported_evicted_and_imported_back_is_reused_exactly(server, tokenizer, manifest, oracle):
+    """KV transfer on SGLang's own allocator (`--multilora-memory separate`) under the small budget: a LoRA's and an
+    aLoRA's KV exported, evicted by other work, imported back (the import evicts to make room), then reused by the
+    same requests, whose outputs still equal PEFT's; invariants are checked after every step meanwhile."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    work = cases(tokenizer, manifest)
+    picked = [c for c in work if c[0] in ("caps/0", "check_caps/0")]
+    exports = {}
+    for label, entry, ids in picked:
+        generate(server, entry, ids)
+        r = requests.post(server.url + "/multilora/kv/export", headers=admin, timeout=60,
+                          json={"input_ids": ids, "lora_path": entry["name"]})
+        assert r.status_code == 200 and int(r.headers["X-Multilora-KV-Tokens"]) == len(ids), (label, r.text[:300])
+        exports[label] = r.content
+    for label, entry, ids in work[6:]:  # other contexts push the picked ones out of the 640-token budget
+        generate(server, entry, ids)
+    for label, entry, ids in picked:
+        again = requests.post(server.url + "/multilora/kv/export", headers=admin, timeout=60,
+                              json={"input_ids": ids, "lora_path": entry["name"]})
+        assert again.status_code == 204 or int(again.headers["X-Multilora-KV-Tokens"]) < len(ids), label
+        imported = requests.post(server.url + "/multilora/kv/import", data=exports[label], headers=admin, timeout=60)
+        assert imported.status_code == 200, imported.text
+        answer = imported.json()
+        assert answer["imported"] > 0 and answer["imported"] + answer["cached"] == len(ids), (label, answer)
+        response = generate(server, entry, ids)
+        assert response["meta_info"]["cached_tokens"] == len(ids) - 1, (label, response["meta_info"])
+        assert_matches(response, oracle.greedy(entry["path"], ids, NEW_TOKENS, ignore_eos=True), f"{label} imported")
+    m = wait_idle(server)["memory"][0]
     assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
