@@ -15,10 +15,10 @@ started with `--admin-api-key`, to a caller presenting it (the cluster launcher 
 How it reaches the scheduler: the HTTP process sends SGLang's own `GetInternalStateReq` (the message behind
 `/server_info`) with the command in its `rid` (`kv-transfer:` + JSON), and the scheduler's `get_internal_state`
 hook runs it in the scheduler loop, between batches, like every other control message. The tensors travel through a
-file in a private directory (mode 0700, in /dev/shm where it exists) named in the command, never through the typed
-message. An import takes slots from the KV allocator (evicting by the tree's policy when short: on the unified pool
-through the swapper, so the adapter-before-KV rule holds), writes K and V, and inserts the run; tokens the
-destination already caches are not written again. On the unified pool, KV of an adapter joins only while the
+private file (mode 0600, in /dev/shm where it exists) named in the command, never through the typed message. An
+import takes slots from the KV allocator (evicting by the tree's policy when short: on the unified pool through the
+swapper, so the adapter-before-KV rule holds), writes K and V, and inserts the run; tokens the destination already
+caches are not written again. On the unified pool, KV of an adapter joins only while the
 adapter is resident (it is made resident if memory allows; otherwise only an aLoRA's base part is imported).
 Single scheduler only (no data parallelism): the command is fanned out to every rank, and only rank 0 acts.
 """
@@ -30,7 +30,6 @@ import logging
 import os
 import tempfile
 import time
-import uuid
 
 import torch
 
@@ -228,10 +227,13 @@ def import_kv(scheduler, command: dict) -> dict:
 # ---- HTTP process -----------------------------------------------------------------------------------------------
 
 
-def _spool_dir() -> str:
-    """A private directory for the files between the HTTP and scheduler processes (RAM-backed where possible)."""
+def _spool_file() -> str:
+    """A new private (0600) file for the tensors between the HTTP and scheduler processes, RAM-backed where
+    possible; the route that made it removes it."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="sgl-multilora-kv-", dir=base)
+    fd, path = tempfile.mkstemp(prefix="sgl-multilora-kv-", suffix=".safetensors", dir=base)
+    os.close(fd)
+    return path
 
 
 def _read_bytes(path: str) -> bytes:
@@ -240,8 +242,7 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with open(path, "wb") as f:  # the private file `_spool_file` made
         f.write(data)
 
 
@@ -268,7 +269,6 @@ def add_routes(*args, **kwargs):
 
     if any(getattr(route, "path", None) == EXPORT_ROUTE for route in http_server.app.routes):
         return
-    spool = _spool_dir()
 
     def error(message: str, status: int = 400):
         return ORJSONResponse({"error": {"message": message}}, status_code=status)
@@ -293,7 +293,7 @@ def add_routes(*args, **kwargs):
         ids = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             return error("input_ids must be a non-empty list of token ids")
-        path = os.path.join(spool, uuid.uuid4().hex)
+        path = _spool_file()
         command = {"op": "export", "path": path, "input_ids": ids,
                    **{f: body.get(f) for f in ("lora_path", "extra_key", "cache_salt", "prompt_ids")}}
         try:
@@ -318,7 +318,7 @@ def add_routes(*args, **kwargs):
         data = await request.body()
         if not data:
             return error("the body must be a KV export (a safetensors file from " + EXPORT_ROUTE + ")")
-        path = os.path.join(spool, uuid.uuid4().hex)
+        path = _spool_file()
         try:
             await asyncio.to_thread(_write_bytes, path, data)
             answer = await _run({"op": "import", "path": path})
