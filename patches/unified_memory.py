@@ -354,10 +354,11 @@ class LiveMemory:
         """Slots of adapters the swapper can evict once their unlocked KV is gone: resident, used by no running
         request, no lock on any of their nodes."""
         res, total = self.residency, 0
+        namespaces = [ns.children for ns in self.swapper.tree.root.children.values()]
         for identity in res.resident_ids():
             if res.num_running(identity):
                 continue
-            if any(n.lock_ref for n in self.swapper.adapter_nodes(identity)):
+            if any((n := children.get(identity)) is not None and n.lock_ref for children in namespaces):
                 continue
             total += res.entry(identity).num_slots
         return total

@@ -154,6 +154,26 @@ def test_running_adapters_and_locked_kv_are_never_evicted(world):
     memory.check_invariants()
 
 
+def test_an_adapter_whose_kv_is_locked_is_not_reported_evictable(world):
+    """What SGLang is told it could have back: a resident adapter counts until a lock (a running request's prefix)
+    pins a KV node below it, in any namespace, and again once the lock is gone."""
+    kv, allocator, tree, memory, adapters, clock = world
+    b = adapters["b"].spec.identity
+    assert memory.ensure_resident(b, budget=None)
+    own = memory.residency.entry(b).num_slots
+    for namespace in (NS, Namespace("other")):
+        slots = allocator.alloc(4).tolist()
+        result = tree.insert(MatchKey(namespace, AdapterRef(identity=b, name="b"), [1, 2, 3, 4]), slots)
+        allocator.mark_cached(slots)
+        assert memory.evictable_adapter_slots() == own
+        tree.lock(result.last_node)
+        assert memory.evictable_adapter_slots() == 0
+        assert memory.pinned_slots() == allocator.pool.num_of("adapter")
+        tree.unlock(result.last_node)
+        assert memory.evictable_adapter_slots() == own
+    memory.check_invariants()
+
+
 def test_a_load_takes_no_more_than_the_budget_and_an_oversized_adapter_is_refused(world):
     kv, allocator, tree, memory, adapters, clock = world
     ident = adapters["b"].spec.identity
