@@ -351,17 +351,9 @@ class LiveMemory:
     # ---- what SGLang's scheduler sees -----------------------------------------------------------------------
 
     def evictable_adapter_slots(self) -> int:
-        """Slots of adapters the swapper can evict once their unlocked KV is gone: resident, used by no running
-        request, no lock on any of their nodes."""
-        res, total = self.residency, 0
-        namespaces = [ns.children for ns in self.swapper.tree.root.children.values()]
-        for identity in res.resident_ids():
-            if res.num_running(identity):
-                continue
-            if any((n := children.get(identity)) is not None and n.lock_ref for children in namespaces):
-                continue
-            total += res.entry(identity).num_slots
-        return total
+        """Slots of adapters the swapper can evict once their unlocked KV is gone
+        (`Swapper.reclaimable_adapter_slots`)."""
+        return self.swapper.reclaimable_adapter_slots()
 
     def host_adapter_bytes(self) -> int:
         """Bytes of the adapters' host copies (one per registered adapter, never dropped)."""

@@ -135,6 +135,21 @@ class Swapper:
                         heapq.heappush(heap, (int(name in wanted), score(self.records[name], now), 1, name, name))
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
+    def reclaimable_adapter_slots(self) -> int:
+        """Slots of the adapters `make_room` could free once their unlocked KV is gone: resident, used by no
+        running request and (with the dependency rule) no lock on their node in any namespace. With the tree's
+        `evictable_len()` and the free slots, the room the next batch can have (SGLang's `evictable_size`).
+        Pure query."""
+        res, total = self.residency, 0
+        namespaces = [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
+        for identity in res.resident_ids():
+            if res.num_running(identity):
+                continue
+            if any((n := children.get(identity)) is not None and n.lock_ref for children in namespaces):
+                continue
+            total += res.entry(identity).num_slots
+        return total
+
     def adapter_evictable(self, adapter_id: str, protect: str | None = None) -> bool:
         """Resident, used by no running request, not `protect`, and (with the dependency rule) no KV in any
         namespace hangs below or depends on it and no lock holds it. Pure query."""

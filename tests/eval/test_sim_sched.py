@@ -11,7 +11,7 @@ import pytest
 from eval.sim.admission import POLICIES, create_admission
 from eval.sim.admission.lpm import LpmAdmission
 from eval.sim.engine import SimConfig, _sim_requests, simulate
-from eval.sim.latency import LatencyModel
+from eval.sim.latency import Hardware, LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.systems import create_system
 from eval.workloads.heterogeneous import HeterogeneousParams, generate
@@ -73,6 +73,22 @@ def test_multiqueue_lets_a_short_request_pass_long_high_rank_ones(monkeypatch):
     assert admit_order(multi).index("S") < admit_order(multi).index("L2")  # S passed the waiting long ones
     ttft = {run.admission.name: {r.rid: r.ttft_s for r in run.results} for run in (fcfs, multi)}
     assert ttft["multiqueue"]["S"] < 0.5 * ttft["fcfs"]["S"]
+
+
+def test_multiqueue_plans_with_the_memory_idle_adapters_hold_as_the_engine_admits_with_it():
+    """On one pool the swapper fills idle memory with prefetched adapters; a request needing more than the free
+    and evictable KV slots is admitted at once under fcfs (the engine evicts idle adapters for it), and must be
+    under multiqueue too: its budget counts the reclaimable adapter slots (as SGLang's evictable_size does live),
+    else the request never fits the budget."""
+    lat = LatencyModel(hw=Hardware(hbm_total_bytes=27 * 10**9))  # ~58.7k slots: 30 rank-128 adapters fill 85%
+    adapters = tuple(AdapterInfo(f"a{i}", 128) for i in range(30))
+    stream = [req(f"w{i}", 0.1 * i, 200, 8, f"a{i}") for i in range(30)] + [req("big", 6.0, 30000, 8, "a0")]
+    runs = {p: simulate("ours:chameleon", adapters, stream, lat=lat,
+                        config=SimConfig(admission=p, check_every_step=True)) for p in ("fcfs", "multiqueue")}
+    big = {p: next(r for r in run.results if r.rid == "big") for p, run in runs.items()}
+    assert all(run.system.swapper.counters.adapter_evictions > 0 for run in runs.values())  # it needed their room
+    assert big["fcfs"].extra["queue_s"] == big["multiqueue"].extra["queue_s"] == 0.0
+    assert big["multiqueue"].ttft_s == pytest.approx(big["fcfs"].ttft_s)
 
 
 def test_lpm_puts_cached_prefixes_first_and_defers_in_batch_duplicates():

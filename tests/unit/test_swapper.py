@@ -358,3 +358,35 @@ def test_make_room_for_a_run_never_evicts_protected_and_says_not_now():
     w.residency.release("X")
     assert w.swapper.make_room(2, run=2) and w.log == ["X"]
     w.check()
+
+
+def test_reclaimable_adapter_slots_are_exactly_what_evicting_everything_frees():
+    """The room a scheduler may plan with (free + evictable KV + reclaimable adapters, SGLang's evictable_size) is
+    what `make_room` then really frees: a running adapter, and one held by locked KV below it or by a locked
+    aLoRA suffix depending on it, are not counted."""
+    def world() -> World:
+        w = World(AdaptersFirst())
+        w.load("A", "B", "X")
+        w.serve(1.0, "A", [1, 2])
+        w.serve(2.0, None, [5, 6])
+        w.serve(3.0, "X", [5, 6, 9], start=2)
+        return w
+
+    slots = {a: world().residency.entry(a).num_slots for a in SIZES}
+    cases = {
+        "idle": (lambda w: None, {"A", "B", "X"}),
+        "B running": (lambda w: w.residency.acquire("B"), {"A", "X"}),
+        "A's KV locked": (lambda w: w.tree.lock(w.tree.match(w.key("A", [1, 2])).last_node), {"B", "X"}),
+        "X's suffix locked": (lambda w: w.tree.lock(w.tree.match(w.key("X", [5, 6, 9], start=2)).last_node),
+                              {"A", "B"}),
+    }
+    for name, (setup, expect) in cases.items():
+        w = world()
+        setup(w)
+        counted = w.swapper.reclaimable_adapter_slots()
+        assert counted == sum(slots[a] for a in expect), name
+        before = w.kinds()["adapter"]
+        w.swapper.make_room(w.pool.num_slots - 1)
+        assert before - w.kinds()["adapter"] == counted, name
+        assert {a for a in SIZES if not w.residency.is_resident(a)} == expect, name
+        w.check()

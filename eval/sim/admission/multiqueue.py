@@ -14,7 +14,8 @@ Choices of the simulator, each a departure from the live hook:
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
   SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
   queue);
-- the budget is what the engine can take this pass: the KV it can give (free + evictable, as live) and at most
+- the budget is what the engine can take this pass: the memory it can give (free, evictable KV and, on one pool,
+  idle adapters' slots: `admission_room`, as live) and at most
   one chunk of prefill backlog (chunk_tokens - backlog) plus the largest request's cost, in cost tokens. The
   engine then applies no backlog limit of its own, so a pass re-queues almost nothing (a re-queue costs
   O(queue length) in `QueueSet.push_in_order`). The extra largest cost keeps every budget above every cost: the
@@ -69,8 +70,7 @@ class MultiQueueAdmission(BaseAdmission):
 
     def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
         system = self.system
-        kv_room = system.kv_pool.num_free + (system.tree.evictable_len() if system.tree is not None else 0)
-        budget = max(0, min(kv_room, self.cfg.chunk_tokens - backlog + self.max_cost))
+        budget = max(0, min(system.admission_room(), self.cfg.chunk_tokens - backlog + self.max_cost))
         batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch)
         self.num_passes += 1
         self.planned = [self.by_rid[r.rid] for r in batch]

@@ -96,6 +96,10 @@ class BaseSystem:
         """Frees slots in the adapter area until `num_slots` fit; False if impossible now."""
         raise NotImplementedError
 
+    def admission_room(self) -> int:
+        """Slots the next batch can have: free plus unlocked cached KV (SGLang's available + evictable size)."""
+        return self.kv_pool.num_free + (self.tree.evictable_len() if self.tree is not None else 0)
+
     def can_run_adapter(self, name: str | None) -> bool:
         return True
 

@@ -67,6 +67,10 @@ class Ours(BaseSystem):
 
     # ---- the swapper decides ----------------------------------------------------------------------
 
+    def admission_room(self) -> int:
+        """Also the idle adapters' slots, as the live server's `evictable_size` counts them: one pool."""
+        return super().admission_room() + self.swapper.reclaimable_adapter_slots()
+
     def start_load(self, name: str) -> bool:
         return self.swapper.load(name)
 
