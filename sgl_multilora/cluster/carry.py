@@ -1,12 +1,14 @@
 """Native `/generate` requests the gateway carries itself, so that they can move between workers mid-generation.
 
-Lives here: `carriable` (which requests can move) and `CarriedRequest` (one request's stream, its moves, and what
-its client sees). Not here: choosing workers (placement.py), the HTTP front (gateway.py).
+Lives here: `carriable` (which requests can move), `CarriedRequest` (one request's stream, its moves, and what
+its client sees) and `IncrementalText` (a moved request's text, decoded a window at a time). Not here: choosing
+workers (placement.py), the HTTP front (gateway.py).
 
 A carried request is one prompt (`text` a string or `input_ids` a flat list of ints) without input logprobs
-(`logprob_start_len` >= 0: the prompt of a continuation is another); output logprobs are joined like the tokens. Whatever the client asked, the gateway streams it from its worker through smg
-and keeps what the worker has produced so far: SGLang's stream repeats the whole output in every chunk
-(`output_ids` and `text` cumulative; with `--incremental-streaming-output` each chunk is a delta, also handled).
+(`logprob_start_len` >= 0: the prompt of a continuation is another); output logprobs are joined like the tokens.
+Whatever the client asked, the gateway streams it from its worker through smg and keeps what the worker has
+produced so far: SGLang's stream repeats the whole output in every chunk (`output_ids` and `text` cumulative; with
+`--incremental-streaming-output` each chunk is a delta, also handled).
 The client gets the same stream, or the final object if it did not ask for a stream.
 
 A move:
@@ -24,10 +26,13 @@ Moves happen when asked (`POST /cluster/migrate`) and when the worker fails mid-
 smg answers 5xx and the worker's `/health` does not answer): the request then finishes on another worker, or
 ends with an error naming the failures after `MAX_FAILOVERS` of them. The prompt's ids come from the destination's
 `/tokenize`, the tokenizer SGLang applies to `text`. Greedy decoding gives the tokens one worker gives (tested).
-After a move, the client's text is the whole output decoded together (`/detokenize` on the worker, once per chunk
-of a moved request), so a character whose bytes a move split comes out whole; a stop string the client asked for
-that straddles a move (neither worker saw it whole) ends the request there, cut as the worker would cut it. With
-`--incremental-streaming-output` workers the deltas are passed on per segment, without that joining.
+After a move, the client's text is the output of all segments decoded as one, so a character whose bytes a move
+split comes out whole: incrementally, as SGLang's detokenizer decodes (`IncrementalText`: per chunk of a moved
+request one `/detokenize` call on the worker, over a window of a few tokens before the new ones to the end; the
+first move decodes the output before it once), and the whole output decoded together once, for the last chunk. A
+stop string the client asked for that straddles a move (neither worker saw it whole) ends the request there, cut as
+the worker would cut it. With `--incremental-streaming-output` workers the deltas are passed on per segment, without
+that joining.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ MAX_FAILOVERS = 3
 ROUTED_HEADER = "x-smg-routed-worker-id"  # smg's answer header: the worker that served a request
 OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 HEALTH_TIMEOUT_S = 5.0
+DECODE_CONTEXT = 5
+"""Tokens `IncrementalText` keeps in its window, before the new ones, when it moves the window up (SGLang's
+detokenizer starts a request's window as many tokens before its output; more than the 3 bytes an incomplete
+character can hold back)."""
+DECODE_WINDOW = 32
+"""`IncrementalText` moves its window up once it spans more tokens than this."""
 
 
 def carriable(body: dict) -> bool:
@@ -77,6 +88,45 @@ class Front(Protocol):
     def pick_other(self, adapter: str | None, prompt: str, exclude: int) -> int | None: ...
     def count_migration(self, kind: str, src: int, dst: int) -> None: ...
     async def carry_kv(self, carried: CarriedRequest, src: int, dst: int) -> tuple[str, dict]: ...
+
+
+class IncrementalText:
+    """The text of a growing output, decoded a window at a time in the manner of SGLang's detokenizer (its
+    `DecodeStatus`, with `surr_offset` and `read_offset`).
+
+    A step decodes only the window `ids[surr:]`: `surr` lies a few tokens before the ids the previous step had, so
+    the new ones decode in context (a leading space, a character whose bytes span tokens), and the new text is what
+    the window's text has past `surr_text`, the text of `ids[surr:read]` decoded alone (the previous step's window,
+    or the start it moved up to). An incomplete character at the end (U+FFFD) is held back: it is left out of
+    `text` and of `surr_text` alike, so it is not shown, and the next step, whose window still holds its tokens,
+    gives it whole once its last bytes arrive. (SGLang keeps its offsets until the character completes; here they
+    advance, so that a move which split a character does not make the next step decode the whole output again.) Once
+    the window spans more than `DECODE_WINDOW` tokens, `surr` moves up to `DECODE_CONTEXT` tokens before the end,
+    whose text is decoded alone (one more call every few dozen tokens), provided the held-back end lies within them.
+    Per step the work is the window's, not the output's; the first step, from nothing, decodes all it is given."""
+
+    def __init__(self) -> None:
+        self.text = ""  # of ids[:read], without an incomplete end
+        self.surr = self.read = 0
+        self.surr_text = ""  # of ids[surr:read] decoded alone, without an incomplete end
+
+    async def step(self, ids: list[int], decode) -> str:
+        """The text of `ids` (what the previous step had, and more) without a trailing incomplete character;
+        `decode(ids)` is the whole text of `ids` (a worker's `/detokenize`)."""
+        if len(ids) < self.read:  # not a continuation of the previous step's ids: start over
+            self.__init__()
+        if len(ids) == self.read:
+            return self.text
+        window = await decode(ids[self.surr:])
+        whole = window.rstrip("\ufffd")
+        self.text += whole[len(self.surr_text):]
+        self.read, self.surr_text = len(ids), whole
+        if self.read - self.surr > DECODE_WINDOW:
+            surr = self.read - DECODE_CONTEXT
+            context = await decode(ids[surr:])
+            if len(context) - len(context.rstrip("\ufffd")) == len(window) - len(whole):  # the same end held back
+                self.surr, self.surr_text = surr, context.rstrip("\ufffd")
+        return self.text
 
 
 class ClientGone(Exception):
@@ -111,6 +161,7 @@ class CarriedRequest:
         self.finish_reason: dict | None = None  # of the running segment's last chunk
         self.answered_by = ""  # smg's header naming the worker that answered the running segment
         self.boundaries: list[int] = []  # where each move cut the text (characters of joined text before it)
+        self.decoder = IncrementalText()  # the joined text after a move, over done_ids + seg_ids
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -155,8 +206,8 @@ class CarriedRequest:
                 kind, details = await self.gw.carry_kv(self, src, dst)
             self.migrations.append({"from": src, "to": dst, "kind": kind, "at_token": len(self.done_ids),
                                     **details})
-            if not self.gw.incremental:  # what the client has seen, decoded whole (a move may split a character)
-                self.done_text = await self._decoded(self.done_ids, final=False, worker=dst)
+            if not self.gw.incremental:  # what the client has seen, decoded as one (a move may split a character)
+                self.done_text = await self._text(self.done_ids, worker=dst)
                 self.boundaries.append(len(self.done_text))
             self.gw.count_migration(kind, src, dst)
             self.worker = dst
@@ -283,7 +334,8 @@ class CarriedRequest:
         if not self.gw.incremental:  # deltas need no joining
             ids = self.done_ids + self.seg_ids
             lp = {k: self.done_lp[k] + v for k, v in self.seg_lp.items()}
-            text = await self._decoded(ids, final=bool(meta.get("finish_reason")))
+            final = bool(meta.get("finish_reason"))  # the last chunk: decoded whole, held back nothing
+            text = await (self._decoded(ids, final=True) if final else self._text(ids))
             found = self._straddling_stop(text)
             if found is not None:  # cut where the stop string completes, as the worker would have
                 stop, at = found
@@ -312,6 +364,10 @@ class CarriedRequest:
             r.raise_for_status()
             text = (await r.json())["text"]
         return text if final else text.rstrip("\ufffd")
+
+    async def _text(self, ids: list[int], worker: int | None = None) -> str:
+        """What `_decoded(ids, final=False)` gives, decoded incrementally (`ids`: the previous call's and more)."""
+        return await self.decoder.step(ids, lambda part: self._decoded(part, final=True, worker=worker))
 
     def _straddling_stop(self, text: str) -> tuple[str, int] | None:
         """(stop string, where it starts) of the first stop string that crosses a move's boundary in `text`."""
