@@ -214,26 +214,34 @@ class MultiQueueScheduler:
     # ---- refresh ---------------------------------------------------------------------------------
 
     def refresh(self, now: float, total_tokens: int | None = None, force: bool = False) -> bool:
-        """Refits normaliser, cut-offs and quotas when due (every `requeue_s`; the first time as
-        soon as `min_samples` requests arrived) or when forced, and re-routes queued requests.
-        `total_tokens`: a new Tok_total, used from this refit on. The current plan stays while
-        the window (requests of the last `window_s`) holds fewer than `min_samples`. True if a new
-        plan is in."""
+        """Refits normaliser, cut-offs and quotas when due or when forced, and re-routes queued
+        requests. Due: every `requeue_s`; the first time as soon as `min_samples` requests arrived;
+        and whenever the window holds twice the requests the current fitted plan was fitted on
+        (warm-up: 32, 64, 128, ... up to `window_size`, so the first period's plan does not rest on
+        its first 32 requests; in steady state the window does not double). `total_tokens`: a new
+        Tok_total, used from this refit on. The current plan stays while the window (requests of
+        the last `window_s`) holds fewer than `min_samples`. True if a new plan is in."""
         if total_tokens is not None:
             self._total_tokens = total_tokens
         if not self.config.adaptive and not force:
             return False
-        if not force and not (now >= self.plan.fitted_at + self.config.requeue_s
-                              if self._fitted else len(self._window) >= self.config.min_samples):
-            return False
         while self._window and self._window[0].arrival < now - self.config.window_s:
             self._window.popleft()
+        if not force and not self._refit_due(now):
+            return False
         if len(self._window) < self.config.min_samples:
             return False
         self._install(fit_plan(list(self._window), now, self.config, self._total_tokens))
         self._fitted = True
         self.counts["refreshes"] += 1
         return True
+
+    def _refit_due(self, now: float) -> bool:
+        n, plan = len(self._window), self.plan
+        if not self._fitted:
+            return n >= self.config.min_samples
+        grown = plan.num_samples > 0 and n >= 2 * plan.num_samples  # a set_plan plan has 0 samples
+        return grown or now >= plan.fitted_at + self.config.requeue_s
 
     def set_plan(self, cutoffs: list[float], quotas: list[int], now: float = 0.0) -> None:
         """Installs fixed cut-offs and quotas (the Static baseline; tests). With `requeue_s` =

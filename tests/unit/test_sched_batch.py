@@ -210,3 +210,29 @@ def test_refresh_fits_queues_from_the_window_and_reroutes():
     # one queue now: the old large requests still waiting are re-routed into it
     assert st.cutoffs == () and [q.num_queued for q in st.queues] == [40]
     s.check_invariants()
+
+
+def test_warm_up_refits_each_time_the_window_doubles_then_waits_for_the_period():
+    cfg = SchedConfig(total_tokens=200_000, initial_norm=NORM, min_samples=8, window_size=40, requeue_s=100.0,
+                      window_s=1000.0)
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=50))
+    fitted_on = []
+    for i in range(100):
+        s.add(req(f"r{i}", 100 if i % 2 else 1000, arrival=i * 0.1))
+        if s.refresh(now=i * 0.1):
+            fitted_on.append(s.plan.num_samples)
+    # 8 (min_samples), then each doubling of the window, until its size cap (40) stops it doubling
+    assert fitted_on == [8, 16, 32] and s.stats().counts["refreshes"] == 3
+    assert not s.refresh(now=50.0)  # steady window: the next refit waits for requeue_s after the last
+    assert s.refresh(now=3.1 + 100.0) and s.plan.num_samples == 40
+    s.check_invariants()
+
+
+def test_a_set_plan_is_not_replaced_by_the_warm_up():
+    cfg = SchedConfig(total_tokens=1000, initial_norm=NORM, min_samples=4, requeue_s=100.0)
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=50))
+    s.set_plan([0.5], [500, 500], now=0.0)
+    for i in range(64):
+        s.add(req(f"r{i}", 100, arrival=i * 0.1))
+        assert not s.refresh(now=i * 0.1)
+    assert s.plan.clustering.cutoffs == (0.5,) and s.refresh(now=100.0)
