@@ -41,7 +41,12 @@ from aiohttp import web
 from sgl_multilora.cluster.balance import LiveBalancer
 from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
 from sgl_multilora.cluster.launch import ADMIN_KEY_ENV
-from sgl_multilora.cluster.moves import INITIAL_LINK_BYTES_PER_S, MIGRATION_KINDS, MovesMixin
+from sgl_multilora.cluster.moves import (
+    INITIAL_LINK_BYTES_PER_S,
+    MIGRATION_KINDS,
+    MovesMixin,
+    worker_memory,
+)
 from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
@@ -246,10 +251,10 @@ def _kv_capacity(url: str) -> int:
     import urllib.request
 
     with urllib.request.urlopen(url + "/multilora/stats", timeout=60) as r:
-        memory = (json.loads(r.read()).get("memory") or [None])[0] or {}
-    if not memory.get("total"):
+        kv_tokens = worker_memory(json.loads(r.read())).kv_tokens
+    if kv_tokens is None:
         raise SystemExit(f"{url}/multilora/stats reports no KV pool size; --balancer mell needs it")
-    return int(memory["total"])
+    return kv_tokens
 
 
 def main(argv: list[str] | None = None) -> None:

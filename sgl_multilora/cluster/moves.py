@@ -1,6 +1,7 @@
 """The gateway's part in moving requests between workers: which workers are up, where a moving request goes, how
-its KV goes with it, and `POST /cluster/migrate`. Lives here: `MovesMixin` (mixed into `Gateway`). Not here: a
-request's own stream and its moves (carry.py), routing (placement.py), the cost model (cost.py).
+its KV goes with it, and `POST /cluster/migrate`. Lives here: `MovesMixin` (mixed into `Gateway`) and
+`worker_memory` (the figures the gateway reads from a worker's `/multilora/stats`). Not here: a request's own stream
+and its moves (carry.py), routing (placement.py), the cost model (cost.py).
 
 Per move, KV transfer or token transfer + recompute (MELL section V): the core `MigrationCostModel` plans the move
 with what was measured live: the source's KV bytes per token, the destination's prefill seconds per token (its
@@ -14,6 +15,7 @@ workers' admin key (`SGL_MULTILORA_WORKER_ADMIN_KEY`, set by the launcher); with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -33,6 +35,33 @@ LINK_EMA = 0.3
 TRANSFER_TIMEOUT_S = 120.0
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerMemory:
+    """A worker's figures from its `/multilora/stats`; None where it reports none."""
+
+    kv_tokens: int | None = None  # KV token slots (its --max-total-tokens): what `--balancer mell` packs
+    kv_bytes_per_token: int | None = None  # K and V bytes of one token slot over all layers: a KV transfer's size
+    recompute_s_per_token: float | None = None  # prefill seconds per token its unified pool measured: a recompute's
+
+
+def worker_memory(stats) -> WorkerMemory:
+    """The figures of a `/multilora/stats` answer (patches/stats.py): the `memory` view of its first scheduler
+    (`kv_accounting`, with `unified_pool` when the worker runs one). A figure that is missing, not a number or not
+    positive (no memory view, a pool without per-layer K/V buffers, nothing measured yet) is None."""
+    memory = ((stats.get("memory") if isinstance(stats, dict) else None) or [None])[0]
+    memory = memory if isinstance(memory, dict) else {}
+    pool = memory.get("unified_pool")
+    pool = pool if isinstance(pool, dict) else {}
+
+    def positive(value, kind):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return kind(value) if number and value > 0 else None
+
+    return WorkerMemory(kv_tokens=positive(memory.get("total"), int),
+                        kv_bytes_per_token=positive(memory.get("kv_bytes_per_token"), int),
+                        recompute_s_per_token=positive(pool.get("recompute_s_per_token"), float))
+
+
 class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
     relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves,
@@ -43,15 +72,14 @@ class MovesMixin:
     def admin_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
-    async def _costs(self, worker: int) -> tuple[int | None, float | None]:
-        """(KV bytes per token, measured prefill seconds per token) from the worker's `/multilora/stats`."""
+    async def _memory(self, worker: int) -> WorkerMemory:
+        """The worker's figures from its `/multilora/stats` (none when it does not answer)."""
         try:
             async with self.session.get(self.worker_urls[worker] + "/multilora/stats",
                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                memory = ((await r.json()).get("memory") or [None])[0] or {}
+                return worker_memory(await r.json())
         except (TimeoutError, aiohttp.ClientError, ValueError):
-            return None, None
-        return memory.get("kv_bytes_per_token"), (memory.get("unified_pool") or {}).get("recompute_s_per_token")
+            return WorkerMemory()
 
     async def plan_move(self, rid: str, src: int, dst: int, tokens: int) -> tuple[str, dict]:
         """("kv" or "recompute", the inputs of the choice) for moving a request holding `tokens` tokens."""
@@ -59,7 +87,8 @@ class MovesMixin:
             return "recompute", {"why": "the workers have no admin key"}
         if self.migration != "auto":
             return self.migration, {"why": f"--migration {self.migration}"}
-        (bytes_per_token, _), (_, s_per_token) = await asyncio.gather(self._costs(src), self._costs(dst))
+        source, destination = await asyncio.gather(self._memory(src), self._memory(dst))
+        bytes_per_token, s_per_token = source.kv_bytes_per_token, destination.recompute_s_per_token
         default = MigrationCostModel()
         model = MigrationCostModel(
             kv_bytes_per_token=int(bytes_per_token or default.kv_bytes_per_token),

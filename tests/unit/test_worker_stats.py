@@ -1,0 +1,71 @@
+"""What the cluster's gateway reads from a worker's `/multilora/stats` (sgl_multilora/cluster/moves.py,
+`worker_memory`): the KV token slots `--balancer mell` packs (gateway.py, `_kv_capacity`) and the KV bytes per
+token and measured prefill seconds per token a move's plan weighs (moves.py, `plan_move`), on answers shaped as
+patches/stats.py builds them."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import urllib.request
+
+import pytest
+
+from sgl_multilora.cluster.gateway import _kv_capacity
+from sgl_multilora.cluster.moves import WorkerMemory, worker_memory
+
+TREE = {"num_matches": 12, "hits": {"base": 3, "lora": 5}, "hit_tokens": {"base": 96, "lora": 410},
+        "num_namespaces": 3, "num_adapter_nodes": 2, "num_kv_nodes": 17, "total_len": 1530, "evictable_len": 1210,
+        "protected_len": 320, "num_evicted_runs": 4, "num_evicted_tokens": 388}
+MEMORY = {  # patches/stats.py: kv_accounting, with adapter_accounting, the unified pool's and the scheduler's stats
+    "kv_bytes_per_token": 18432, "total": 8192, "free": 5310, "cache_evictable": 1210, "cache_protected": 320,
+    "running": 3, "waiting": 1,
+    "adapters": {"loaded": 2, "weights": {}, "host": {"caps": 1179648, "sql": 2359296}, "slot_buffers": 0,
+                 "total": 3538944, "alora": ["uncertainty"]},
+    "unified_pool": {"policy": "usage", "slot_bytes": 18432, "num_slots": 8192,
+                     "bytes": {"adapter_weights": 3538944, "cached_kv": 22302720, "running_kv": 5898240,
+                               "in_flight": 0, "free": 97873920},
+                     "slots": {"adapter": 192, "kv_cached": 1210, "kv_running": 320, "in_flight": 0, "free": 5310},
+                     "tree_kv_tokens": 1210, "adapters": {"registered": 2, "resident": 2, "loading": 0},
+                     "adapter_sizes": {}, "swapper": {}, "skipped_admissions": 0, "starvation_holds": 0,
+                     "copy_bytes_per_s": 2.1e9, "recompute_s_per_token": 0.00041, "prefill_tokens": 51200,
+                     "host_tier": None},
+    "scheduler": {"policy": "fcfs"},
+}
+STATS = {"enabled": True, "schedulers": [TREE, TREE], "memory": [MEMORY, copy.deepcopy(MEMORY)]}
+
+
+def test_the_figures_of_a_workers_stats():
+    assert worker_memory(STATS) == WorkerMemory(kv_tokens=8192, kv_bytes_per_token=18432,
+                                                recompute_s_per_token=0.00041)
+    assert worker_memory(json.loads(json.dumps(STATS))) == worker_memory(STATS)  # as it comes over HTTP
+
+
+def changed(**changes) -> dict:
+    """STATS with its first memory view changed: a value set, or the key left out where the value is None."""
+    memory = {**MEMORY, **changes}
+    return {**STATS, "memory": [{k: v for k, v in memory.items() if v is not None}]}
+
+
+@pytest.mark.parametrize(("stats", "expected"), [
+    (changed(unified_pool=None), WorkerMemory(8192, 18432, None)),  # SGLang's own allocator: nothing measured
+    (changed(kv_bytes_per_token=None), WorkerMemory(8192, None, 0.00041)),  # no per-layer K/V buffers: reported None
+    (changed(unified_pool={"recompute_s_per_token": 0.0}), WorkerMemory(8192, 18432, None)),  # not measured yet
+    (changed(total=0), WorkerMemory(None, 18432, 0.00041)),
+    ({"enabled": False, "reason": "the server runs without --radix-cache-backend multilora", "memory": [None]},
+     WorkerMemory()),
+    ({"enabled": True, "schedulers": [TREE], "memory": []}, WorkerMemory()),
+    ({"detail": "Not Found"}, WorkerMemory()),  # a server without the route
+    (["not", "a", "dict"], WorkerMemory()),
+])
+def test_a_figure_a_worker_does_not_report_is_none(stats, expected):
+    assert worker_memory(stats) == expected
+
+
+def test_the_gateways_start_reads_the_kv_slots_from_the_same_figures(monkeypatch):
+    answers = {"http://w0/multilora/stats": STATS, "http://w1/multilora/stats": changed(total=None)}
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(json.dumps(answers[url]).encode()))
+    assert _kv_capacity("http://w0") == 8192
+    with pytest.raises(SystemExit, match="no KV pool size"):
+        _kv_capacity("http://w1")
