@@ -34,6 +34,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 
 import aiohttp
 from aiohttp import web
@@ -99,6 +100,8 @@ class Gateway(MovesMixin):
         self.migrations: dict[str, int] = {"kv": 0, "recompute": 0, "failover": 0}
         self.migration, self.admin_key = migration, admin_key
         self.link_bytes_per_s = INITIAL_LINK_BYTES_PER_S  # measured over KV transfers
+        self.memory_reads: dict[int, tuple[float, asyncio.Future]] = {}  # worker -> its last /multilora/stats read
+        self.clock = time.monotonic
         self.kv_moves = {"tokens": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
         self.balancer, self.balance_epoch_s = balancer, balance_epoch_s
         self.balanced_moves = 0

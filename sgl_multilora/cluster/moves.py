@@ -10,6 +10,8 @@ transfer exports the request's cached KV from the source's tree (`POST /multilor
 it there) and imports it into the destination's (`POST /multilora/kv/import`); the continued request then matches
 it as a cached prefix, and whatever did not arrive is recomputed. Both routes are admin routes: the gateway uses the
 workers' admin key (`SGL_MULTILORA_WORKER_ADMIN_KEY`, set by the launcher); without one every move recomputes.
+A worker's figures are read once per `STATS_TTL_S` at most (moves planned together, as a balancer epoch's, share
+one read), and afresh after the worker went down or came back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ INITIAL_LINK_BYTES_PER_S = 200e6
 """The channel's speed until a transfer was measured (then an exponential average of measured ones)."""
 LINK_EMA = 0.3
 TRANSFER_TIMEOUT_S = 120.0
+STATS_TTL_S = 1.0
+"""How long the figures read from a worker's `/multilora/stats` serve the moves planned after the read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +69,8 @@ def worker_memory(stats) -> WorkerMemory:
 class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
     relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves,
-    admin_key, balancer (a `LiveBalancer` or None) and balanced_moves."""
+    admin_key, balancer (a `LiveBalancer` or None), balanced_moves, memory_reads (worker -> (when read, the read)),
+    and clock() (monotonic seconds)."""
 
     # ---- KV or recompute ----------------------------------------------------------------------------------------
 
@@ -73,13 +78,27 @@ class MovesMixin:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
     async def _memory(self, worker: int) -> WorkerMemory:
-        """The worker's figures from its `/multilora/stats` (none when it does not answer)."""
+        """The worker's figures from its `/multilora/stats`, as read within the last `STATS_TTL_S` (callers at the
+        same time share one read); none when it does not answer, which is not kept: the next caller asks again."""
+        now = self.clock()
+        read_at, reading = self.memory_reads.get(worker, (now, None))
+        if reading is None or now - read_at >= STATS_TTL_S:
+            reading = asyncio.ensure_future(self._read_memory(worker))
+            self.memory_reads[worker] = (now, reading)
+        memory = await asyncio.shield(reading)  # a caller that is cancelled leaves the read to the others
+        if memory is None:
+            if self.memory_reads.get(worker, (now, None))[1] is reading:
+                del self.memory_reads[worker]
+            return WorkerMemory()
+        return memory
+
+    async def _read_memory(self, worker: int) -> WorkerMemory | None:
         try:
             async with self.session.get(self.worker_urls[worker] + "/multilora/stats",
                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
                 return worker_memory(await r.json())
         except (TimeoutError, aiohttp.ClientError, ValueError):
-            return WorkerMemory()
+            return None
 
     async def plan_move(self, rid: str, src: int, dst: int, tokens: int) -> tuple[str, dict]:
         """("kv" or "recompute", the inputs of the choice) for moving a request holding `tokens` tokens."""
@@ -195,6 +214,7 @@ class MovesMixin:
 
     def _set_down(self, worker: int, down: bool = True) -> None:
         self.placement.set_down(worker, down)
+        self.memory_reads.pop(worker, None)  # its figures are read afresh (a restarted worker may differ)
         if self.balancer is not None:
             self.balancer.set_down(worker, down)
 

@@ -1,19 +1,26 @@
 """What the cluster's gateway reads from a worker's `/multilora/stats` (sgl_multilora/cluster/moves.py,
 `worker_memory`): the KV token slots `--balancer mell` packs (gateway.py, `_kv_capacity`) and the KV bytes per
 token and measured prefill seconds per token a move's plan weighs (moves.py, `plan_move`), on answers shaped as
-patches/stats.py builds them."""
+patches/stats.py builds them; and how long a read serves moves."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import io
 import json
 import urllib.request
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from sgl_multilora.cluster.gateway import _kv_capacity
-from sgl_multilora.cluster.moves import WorkerMemory, worker_memory
+from sgl_multilora.cluster.cost import MigrationCostModel
+from sgl_multilora.cluster.gateway import Gateway, _kv_capacity
+from sgl_multilora.cluster.moves import STATS_TTL_S, WorkerMemory, worker_memory
+from sgl_multilora.cluster.placement import Placement
+from sgl_multilora.cluster.records import Move
+from sgl_multilora.server import free_port
 
 TREE = {"num_matches": 12, "hits": {"base": 3, "lora": 5}, "hit_tokens": {"base": 96, "lora": 410},
         "num_namespaces": 3, "num_adapter_nodes": 2, "num_kv_nodes": 17, "total_len": 1530, "evictable_len": 1210,
@@ -69,3 +76,51 @@ def test_the_gateways_start_reads_the_kv_slots_from_the_same_figures(monkeypatch
     assert _kv_capacity("http://w0") == 8192
     with pytest.raises(SystemExit, match="no KV pool size"):
         _kv_capacity("http://w1")
+
+
+def test_moves_share_a_workers_figures_for_a_while(monkeypatch):
+    """`plan_move` reads each worker's figures once per STATS_TTL_S (on a fake clock): moves planned together share
+    the read, a later one reads again, and so does one after the worker went down; a failed read is not kept."""
+    reads = {"w0": 0, "w1": 0}
+    answers = {"w0": changed(kv_bytes_per_token=1000), "w1": changed(unified_pool={"recompute_s_per_token": 0.002})}
+
+    async def stats(request: web.Request) -> web.Response:
+        worker = request.match_info["worker"]
+        reads[worker] += 1
+        if answers[worker] is None:
+            return web.Response(status=500, text="Internal Server Error")
+        return web.json_response(answers[worker])
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/{worker}/multilora/stats", stats)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        gateway = Gateway("http://router", [f"http://127.0.0.1:{port}/w0", f"http://127.0.0.1:{port}/w1"],
+                          Placement(2), admin_key="key")
+        now = [100.0]
+        gateway.clock = lambda: now[0]
+        async with aiohttp.ClientSession() as gateway.session:
+            plans = await asyncio.gather(*(gateway.plan_move(f"r{i}", 0, 1, 500) for i in range(3)))
+            assert reads == {"w0": 1, "w1": 1}
+            model = MigrationCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=500.0)
+            assert plans[0][1]["recompute_s"] == round(model.recompute_seconds(Move("r0", 0, 1, 500)), 4) == 1.0
+            now[0] += STATS_TTL_S / 2
+            await gateway.plan_move("r3", 1, 0, 500)
+            assert reads == {"w0": 1, "w1": 1}
+            now[0] += STATS_TTL_S / 2
+            await gateway.plan_move("r4", 0, 1, 500)
+            assert reads == {"w0": 2, "w1": 2}
+            gateway._set_down(1)
+            gateway._set_down(1, False)
+            await gateway.plan_move("r5", 0, 1, 500)
+            assert reads == {"w0": 2, "w1": 3}
+            answers["w0"] = None  # its figures are none while it fails, and asked for again at the next move
+            gateway._set_down(0)
+            assert await gateway._memory(0) == WorkerMemory() and await gateway._memory(0) == WorkerMemory()
+            assert reads["w0"] == 4
+        await runner.cleanup()
+
+    asyncio.run(run())
