@@ -70,6 +70,14 @@ def test_report_ratios_are_recomputed_from_the_records(run):
     assert headline == f"{statistics.median(everything):+.1%}"
     verdict = "met" if statistics.median(everything) <= -0.31 else "not met"
     assert f"is **{verdict}** in the median" in md
+    # the most any placement could save: the ideal packing against the best baseline of each run
+    floors = []
+    for (scale, seed) in {(r["setup"]["scale_instances"], r["setup"]["seed"]) for r in records}:
+        got = {r["policy"]: r for r in records
+               if r["setup"]["scale_instances"] == scale and r["setup"]["seed"] == seed}
+        best = min(r["instances_needed"] for p, r in got.items() if p != "mell" and r["instances_needed"])
+        floors.append(got["mell"]["setup"]["ideal_instances"] / best - 1)
+    assert f"the most any policy could save is {statistics.median(floors):+.1%}" in md
 
 
 def test_conclusion_follows_the_numbers(run):
