@@ -2,10 +2,12 @@
 
 Lives here: `carriable` (which requests can move), `CarriedRequest` (one request's stream, its moves, and what
 its client sees) and `IncrementalText` (a moved request's text, decoded a window at a time). Not here: choosing
-workers (placement.py), the HTTP front (gateway.py).
+workers (placement.py), the HTTP front (gateway.py), OpenAI's objects (openai_view.py: an OpenAI completion is
+carried as its native body, and its view writes what its client sees).
 
 A carried request is one prompt (`text` a string or `input_ids` a flat list of ints) without input logprobs
-(`logprob_start_len` >= 0: the prompt of a continuation is another); output logprobs are joined like the tokens.
+(`logprob_start_len` >= 0: the prompt of a continuation is another) and nothing whose state spans the output;
+output logprobs are joined like the tokens.
 Whatever the client asked, the gateway streams it from its worker through smg and keeps what the worker has
 produced so far: SGLang's stream repeats the whole output in every chunk (`output_ids` and `text` cumulative; with
 `--incremental-streaming-output` each chunk is a delta, also handled).
@@ -41,10 +43,13 @@ import copy
 import json
 import logging
 import uuid
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from sgl_multilora.cluster.openai_view import CompletionView
 
 logger = logging.getLogger("sgl_multilora.cluster.carry")
 MAX_FAILOVERS = 3
@@ -59,17 +64,30 @@ DECODE_WINDOW = 32
 """`IncrementalText` moves its window up once it spans more tokens than this."""
 
 
+STATEFUL_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params")
+"""Sampling parameters whose state spans the output (a grammar's position, a regex over the whole text, a custom
+processor's): a continuation that re-reads the output as prompt would start them over."""
+PENALTY_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+"""Penalties count the output's tokens; a continuation counts those before the move as prompt instead."""
+
+
 def carriable(body: dict) -> bool:
-    """One prompt, no input logprobs, no batch: the requests a move can continue exactly."""
+    """One prompt, no input logprobs, no batch, nothing whose state spans the output (STATEFUL_PARAMS, penalties
+    other than their defaults, a custom logit processor): the requests a move can continue exactly. The others are
+    served the same, through smg, but are not moved."""
     text, ids = body.get("text"), body.get("input_ids")
     one_prompt = (isinstance(text, str) and ids is None) or (
         text is None and isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids))
     params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        return False
     start = body.get("logprob_start_len")
     input_logprobs = bool(body.get("return_logprob")) and (isinstance(start, list) or (start is not None
                                                                                       and int(start) >= 0))
-    return (one_prompt and isinstance(params, dict) and int(params.get("n", 1) or 1) == 1
-            and not input_logprobs
+    stateful = any(params.get(k) is not None for k in STATEFUL_PARAMS) or body.get("custom_logit_processor") \
+        or any(params.get(k) not in (None, v) for k, v in PENALTY_DEFAULTS.items())
+    return (one_prompt and int(params.get("n", 1) or 1) == 1
+            and not input_logprobs and not stateful
             and not isinstance(body.get("rid"), list)
             and not body.get("input_embeds") and not body.get("image_data") and not body.get("session_params"))
 
@@ -136,8 +154,10 @@ class ClientGone(Exception):
 class CarriedRequest:
     """One request's life through the gateway: segments on one worker each, joined for its client."""
 
-    def __init__(self, gateway: Front, body: dict, worker: int, adapter: str | None, prompt: str) -> None:
+    def __init__(self, gateway: Front, body: dict, worker: int, adapter: str | None, prompt: str,
+                 view: CompletionView | None = None) -> None:
         self.gw, self.adapter, self.prompt = gateway, adapter, prompt
+        self.view = view  # the client's format when it is not the native one (an OpenAI completion)
         self.body = body
         self.rid = str(body.get("rid") or uuid.uuid4().hex)
         self.client_stream = bool(body.get("stream"))
@@ -214,10 +234,12 @@ class CarriedRequest:
             self.finish_reason = None
             self.upstream_rid = f"m{len(self.migrations)}-{self.rid}"
         if self.client_stream:
-            await self.response.write(b"data: [DONE]\n\n")
+            await self.response.write(self.view.stream_end() if self.view is not None else b"data: [DONE]\n\n")
             await self.response.write_eof()
             return self.response
-        return web.json_response(self.last or {}, status=200, headers=self._headers())
+        last = self.last or {}
+        return web.json_response(self.view.response(last) if self.view is not None else last, status=200,
+                                 headers=self._headers())
 
     def _headers(self) -> dict:
         return {ROUTED_HEADER: self.answered_by} if self.answered_by else {}
@@ -400,8 +422,12 @@ class CarriedRequest:
             self.response = web.StreamResponse(status=200, headers={
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()})
             await self.response.prepare(self.request)
+        if self.view is not None:
+            event = self.view.stream_chunk(out)
+        else:
+            event = b"data: " + (raw if raw is not None else json.dumps(out).encode()) + b"\n\n"
         try:
-            await self.response.write(b"data: " + (raw if raw is not None else json.dumps(out).encode()) + b"\n\n")
+            await self.response.write(event)
         except ConnectionResetError as e:  # aiohttp's is also a ClientError: not the worker's failure
             raise ClientGone(str(e)) from e
 

@@ -8,8 +8,10 @@ it). smg does the rest: connections, health, retries, streaming. Every other pat
 `GET /cluster/stats` is the cluster view: placements, routed counts, moves by kind, workers down, and each worker's
 KV and adapter memory from its `/multilora/stats`. Not here: starting processes (launch.py).
 
-Single-prompt native `/generate` requests (no logprobs) are carried: the gateway streams them from the worker and
-can move them mid-generation, when asked (`POST /cluster/migrate {"rid": ..., "to": worker}`) or when their worker
+Single-prompt native `/generate` requests (no input logprobs) and OpenAI `/v1/completions` requests of one prompt
+(openai_view.py says which; they run as the native requests their worker's OpenAI route would run, and their
+client gets OpenAI's objects) are carried: the gateway streams them from the worker and can move them
+mid-generation, when asked (`POST /cluster/migrate {"rid": ..., "to": worker}`) or when their worker
 fails, by token transfer + recompute; their clients see one stream (carry.py has the protocol). A worker whose
 `/health` stops answering is taken out of routing. `/abort_request` for a carried request reaches the worker that
 runs it now.
@@ -48,6 +50,7 @@ from sgl_multilora.cluster.moves import (
     MovesMixin,
     worker_memory,
 )
+from sgl_multilora.cluster.openai_view import CompletionView, ServingSettings, completion_as_native
 from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
@@ -96,6 +99,7 @@ class Gateway(MovesMixin):
         self.session: aiohttp.ClientSession | None = None
         self.relearned = 0
         self.incremental = False  # the workers stream deltas (--incremental-streaming-output)
+        self.serving = ServingSettings()  # what the workers' OpenAI route reads from their arguments
         self.carried: dict[str, CarriedRequest] = {}  # rid -> a single-prompt /generate request in flight
         self.migrations: dict[str, int] = {"kv": 0, "recompute": 0, "failover": 0}
         self.migration, self.admin_key = migration, admin_key
@@ -116,6 +120,7 @@ class Gateway(MovesMixin):
         async with self.session.get(self.worker_urls[0] + "/get_server_info") as r:
             info = await r.json() if r.status == 200 else {}
         self.incremental = bool(info.get("incremental_streaming_output"))
+        self.serving = ServingSettings.from_server_info(info)
         self._watching = asyncio.create_task(self.watch_down())
         self._balancing = (asyncio.create_task(self.balance_epochs(self.balance_epoch_s))
                            if self.balancer is not None else None)
@@ -174,6 +179,7 @@ class Gateway(MovesMixin):
             except ValueError:
                 body = None
             if isinstance(body, dict):
+                client_model = body.get("model")  # a single server answers with the model named, adapter and all
                 adapter, prompt, body = adapter_and_prompt(request.path, body)
                 try:
                     worker = self.placement.route(adapter, prompt, self.in_flight)
@@ -181,6 +187,11 @@ class Gateway(MovesMixin):
                     return web.json_response({"error": {"message": str(e), "code": 503}}, status=503)
                 if request.path == "/generate" and carriable(body):
                     return await self._carry(request, body, adapter, prompt, worker)
+                if request.path == "/v1/completions":
+                    native = completion_as_native(body, self.serving)
+                    if native is not None:
+                        view = CompletionView({**body, "model": client_model}, self.serving, self.incremental)
+                        return await self._carry(request, native, adapter, prompt, worker, view)
                 raw = json.dumps(body).encode()
                 kind = "native" if request.path == "/generate" else "openai"
                 headers["X-SMG-Target-Worker"] = str(self.smg_index[kind][worker])

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from sgl_multilora.cluster.carry import HEALTH_TIMEOUT_S, ROUTED_HEADER, CarriedRequest
 from sgl_multilora.cluster.cost import MigrationCostModel
+from sgl_multilora.cluster.openai_view import CompletionView
 from sgl_multilora.cluster.placement import NoWorkerError
 from sgl_multilora.cluster.records import Move
 
@@ -295,8 +296,8 @@ class MovesMixin:
         return web.json_response({"rid": carried.rid, "from": source, "to": to, "kind": kind}, status=202)
 
     async def _carry(self, request: web.Request, body: dict, adapter: str | None, prompt: str,
-                     worker: int) -> web.StreamResponse:
-        carried = CarriedRequest(self, body, worker, adapter, prompt)
+                     worker: int, view: CompletionView | None = None) -> web.StreamResponse:
+        carried = CarriedRequest(self, body, worker, adapter, prompt, view)
         if carried.rid in self.carried:
             return web.json_response({"error": f"request id {carried.rid!r} is already in flight"}, status=400)
         moves: list[tuple] = []

@@ -196,6 +196,48 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     assert slots["kv_cached"] == m["unified_pool"]["tree_kv_tokens"], m["unified_pool"]
 
 
+def test_openai_completion_moved_mid_generation_answers_as_the_worker_does(cluster, manifest):
+    """An OpenAI /v1/completions request naming an adapter is carried as well: moved with its KV mid-stream, its
+    client gets the deltas, finish reason and usage a worker's own /v1/completions gives, without a gap."""
+    served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+    caps = next(e for e in manifest if e["name"] == "caps")
+    n = 40
+    body = {"model": f"{served}:caps", "prompt": "OpenAI move: " + caps["example_input_text"], "max_tokens": n,
+            "temperature": 0, "ignore_eos": True}
+    direct = requests.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300).json()
+    with requests.post(cluster.worker_urls[0] + "/v1/completions", json={**body, "stream": True}, stream=True,
+                       timeout=300) as r:
+        direct_chunks = list(sse(r))
+    chunks, moved, rid = [], None, "move-openai"
+    with requests.post(cluster.url + "/v1/completions", stream=True, timeout=300, json={
+            **body, "rid": rid, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.text
+        for chunk in sse(r):
+            chunks.append(chunk)
+            if moved is None and len("".join(c["choices"][0]["text"] for c in chunks if c["choices"])) >= 8:
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
+                assert moved.status_code == 202, moved.text
+    assert moved is not None and all("error" not in c for c in chunks), chunks[-1:]
+    *content, usage = chunks
+    assert "".join(c["choices"][0]["text"] for c in content) == direct["choices"][0]["text"]
+    reasons = [c["choices"][0]["finish_reason"] for c in content]
+    assert reasons[-1] == direct["choices"][0]["finish_reason"] == "length" and set(reasons[:-1]) == {None}
+    assert {c["id"] for c in content} == {usage["id"]} and all(c["object"] == "text_completion" for c in chunks)
+    # the usage chunk leaves out what is unset, as the worker's does
+    assert usage["choices"] == [] and usage["usage"] == {k: v for k, v in direct["usage"].items() if v is not None}
+    assert set(content[0]) == set(direct_chunks[0]) and set(content[0]["choices"][0]) == set(
+        direct_chunks[0]["choices"][0]), (content[0], direct_chunks[0])  # the worker's own objects
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert view["migrations"]["kv"] >= 1 and view["carried"] == 0
+    # not moved, not streamed: the worker's own answer but for its id and time
+    routed = requests.post(cluster.url + "/v1/completions", json=body, timeout=300).json()
+    assert {k: v for k, v in routed.items() if k not in ("id", "created")} == \
+        {k: v for k, v in direct.items() if k not in ("id", "created")}
+    # served, not carried: what a move could not continue exactly (a penalty counts the output so far)
+    penalised = requests.post(cluster.url + "/v1/completions", json={**body, "frequency_penalty": 0.5}, timeout=300)
+    assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"], penalised.text
+
+
 def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenizer):
     """Export and import read and write any tenant's cache: admin key only. An import whose adapter identity is not
     loaded, whose layout differs, or that is not a KV export at all is refused with a message saying so."""

@@ -1,0 +1,178 @@
+"""OpenAI `/v1/completions` requests carried as native `/generate` ones, so that they can move between workers too.
+
+Lives here: `completion_as_native` (the OpenAI body as the native body its worker's OpenAI route would have run)
+and `CompletionView` (a carried request's native chunks written as SGLang's `serving_completions` writes its own
+answers: the same objects and fields, a text delta per chunk, the usage chunk, `[DONE]`). Not here: carrying and
+moving (carry.py), routing (gateway.py). No SGLang import: the gateway stays a light process; tests check both
+functions against SGLang's own request model, sampling mapping and a worker's own answers.
+
+Carried only when a move can continue the request exactly and this view can write everything the client asked
+for: one prompt, `n` = 1, no logprobs, no `echo` or `suffix`, no token ids, hidden states or routed experts asked
+back, nothing whose state spans the output (carry.carriable: constrained decoding, penalties) and no completion
+template on the workers (`--completion-template` rewrites the prompt inside their OpenAI route). Any other
+request, or a field this module does not know, goes to smg as before: served the same, never moved. Chat
+completions are not carried: their prompt is the worker's chat template over the messages (with tools, reasoning
+parsers and the model's default sampling parameters), which the gateway would have to reproduce token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from sgl_multilora.cluster.carry import carriable
+
+SAMPLING_FIELDS = {
+    # CompletionRequest field -> (native sampling parameter, SGLang's default); serving_completions'
+    # _build_sampling_params passes each one, set or not
+    "temperature": ("temperature", 1.0), "max_tokens": ("max_new_tokens", 16), "min_tokens": ("min_new_tokens", 0),
+    "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", None), "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", -1), "min_p": ("min_p", 0.0), "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
+    "n": ("n", 1), "no_stop_trim": ("no_stop_trim", False), "ignore_eos": ("ignore_eos", False),
+    "skip_special_tokens": ("skip_special_tokens", True), "logit_bias": ("logit_bias", None),
+    "seed": ("sampling_seed", None),
+}
+UNSET_PARAMS = ("stop_regex", "regex", "json_schema", "ebnf", "custom_params", "watermark")
+"""Native parameters `_build_sampling_params` also passes, None for every carried request."""
+PASSED_FIELDS = ("lora_path", "rid", "extra_key", "cache_salt", "priority")
+"""Request fields the native body takes as they are."""
+NEUTRAL_FIELDS = {"model": None, "stream": False, "stream_options": None, "user": None, "best_of": None,
+                  "echo": False, "logprobs": None, "suffix": None, "return_hidden_states": False,
+                  "return_routed_experts": False, "routed_experts_start_len": 0,
+                  "return_cached_tokens_details": False, "return_spec_tokens_details": False,
+                  "return_token_ids": False, "regex": None, "json_schema": None, "ebnf": None, "stop_regex": None,
+                  "response_format": None, "custom_params": None, "custom_logit_processor": None,
+                  "session_id": None, "session_params": None, "watermark": None, "custom_labels": None}
+"""Fields a carried request may carry only at these values (best_of also 1): the others need what this view
+does not write or what a move cannot continue."""
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """What the workers' OpenAI route reads from their server arguments (`/get_server_info`)."""
+
+    completion_template: str | None = None
+    default_include_usage: bool = False
+    enable_cache_report: bool = False
+
+    @classmethod
+    def from_server_info(cls, info: dict) -> ServingSettings:
+        return cls(info.get("completion_template") or None,
+                   bool(info.get("stream_response_default_include_usage")),
+                   bool(info.get("enable_cache_report")))
+
+
+def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
+    """The native `/generate` body a worker's `/v1/completions` would run for `body` (already rewritten by the
+    gateway: `model` the served one, an adapter in `lora_path`), or None when the request is not carried."""
+    if settings.completion_template is not None or not isinstance(body, dict):
+        return None
+    known = set(SAMPLING_FIELDS) | set(PASSED_FIELDS) | set(NEUTRAL_FIELDS) | {"prompt"}
+    if set(body) - known:
+        return None
+    for name, neutral in NEUTRAL_FIELDS.items():
+        value = body.get(name, neutral)
+        if name in ("model", "stream", "stream_options", "user"):
+            continue
+        if value != neutral and not (name == "best_of" and value == 1):
+            return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        native: dict = {"text": prompt}
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        native = {"input_ids": prompt}
+    else:
+        return None
+    params = {native_name: body.get(name, default) for name, (native_name, default) in SAMPLING_FIELDS.items()}
+    params.update(dict.fromkeys(UNSET_PARAMS))
+    if not isinstance(params["max_new_tokens"], int) or params["max_new_tokens"] <= 0:
+        return None  # the worker's validation answers it
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict)
+                                    and set(options) <= {"include_usage", "continuous_usage_stats"}):
+        return None
+    native["sampling_params"] = params
+    native["stream"] = bool(body.get("stream", False))
+    passed = {k: body[k] for k in PASSED_FIELDS if body.get(k) is not None}
+    if any(not isinstance(v, str) for k, v in passed.items() if k != "priority"):
+        return None  # a list: a batch's fields
+    native.update(passed)
+    return native if carriable(native) else None
+
+
+class CompletionView:
+    """Native chunks (cumulative `text`, or deltas with `--incremental-streaming-output`) in, OpenAI completion
+    chunks and the final object out, as `serving_completions` writes them for one choice."""
+
+    def __init__(self, body: dict, settings: ServingSettings, incremental: bool) -> None:
+        self.model = str(body.get("model") or "default")
+        self.settings, self.incremental = settings, incremental
+        options = body.get("stream_options") or None
+        if options:
+            self.include_usage = bool(options.get("include_usage")) or settings.default_include_usage
+            self.continuous_usage = bool(options.get("continuous_usage_stats"))
+        else:
+            self.include_usage, self.continuous_usage = settings.default_include_usage, False
+        self.created = int(time.time())
+        self.sent = 0  # characters of the cumulative text already sent
+        self.last_meta: dict = {}
+
+    def stream_chunk(self, out: dict) -> bytes:
+        """One SSE event for a native chunk (an error object is passed on as it is)."""
+        if "error" in out:
+            return b"data: " + json.dumps(out).encode() + b"\n\n"
+        meta = out.get("meta_info") or {}
+        self.last_meta = meta
+        text = out.get("text") or ""
+        if self.incremental:
+            delta = text
+        else:
+            delta, self.sent = text[self.sent:], len(text)
+        reason = meta.get("finish_reason") or None
+        chunk = {"id": meta.get("id"), "object": "text_completion", "created": self.created, "model": self.model,
+                 "choices": [{"index": 0, "text": delta, "logprobs": None,
+                              "finish_reason": reason["type"] if reason else None,
+                              "matched_stop": reason.get("matched") if reason else None}],
+                 "usage": self._usage(meta, cached=False, exclude_none=False) if self.continuous_usage else None}
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+    def stream_end(self) -> bytes:
+        """The usage chunk (when asked for) and `[DONE]`."""
+        tail = b""
+        if self.include_usage:
+            usage = {"id": self.last_meta.get("id"), "object": "text_completion", "created": self.created,
+                     "model": self.model, "choices": [],
+                     "usage": self._usage(self.last_meta, cached=self.settings.enable_cache_report, exclude_none=True)}
+            tail = b"data: " + json.dumps(usage).encode() + b"\n\n"
+        return tail + b"data: [DONE]\n\n"
+
+    def response(self, out: dict) -> dict:
+        """The non-streaming answer for the final native object."""
+        if "error" in out:
+            return out
+        meta = out.get("meta_info") or {}
+        reason = meta.get("finish_reason") or None
+        return {"id": meta.get("id"), "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": out.get("text") or "", "logprobs": None,
+                             "finish_reason": reason["type"] if reason else None,
+                             "matched_stop": reason.get("matched") if reason else None}],
+                "usage": self._usage(meta, cached=self.settings.enable_cache_report, exclude_none=False),
+                "metadata": {"weight_version": meta.get("weight_version"),
+                             **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}}
+
+    def _usage(self, meta: dict, cached: bool, exclude_none: bool) -> dict:
+        """UsageProcessor's figures for one choice, as UsageInfo dumps them (`cached`: with the cached tokens, as
+        the final usage reports them under `--enable-cache-report`; the per-chunk usage never does)."""
+        prompt, completion = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
+        reasoning = int(meta.get("reasoning_tokens", 0) or 0)
+        details = None
+        if cached:
+            details = {"cached_tokens": int(meta.get("cached_tokens", 0))}  # its unset media counts are not written
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                 "prompt_tokens_details": details, "reasoning_tokens": reasoning,
+                 "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
+        return {k: v for k, v in usage.items() if v is not None} if exclude_none else usage
