@@ -113,6 +113,7 @@ class _Loop:
         self.decode_adapters: dict[str, int] = {}  # adapter -> decoding requests using it
         self.finish_heap: list[tuple[int, int, SimRequest]] = []
         self.step_no = 0
+        self.num_steps = self.capped_steps = 0  # steps run; of them, at the running-request cap
         self.samples: list[dict] = []
         self.done: list[SimRequest] = []
 
@@ -147,6 +148,8 @@ class _Loop:
                 now = max(now, min(nxt))
                 continue
             system.usage.record_batch(now, self.num_running)
+            self.num_steps += 1
+            self.capped_steps += self.num_running >= self.cfg.max_running
             now += dt
             system.now = now
             self._advance(now, prefill)
@@ -306,4 +309,8 @@ class _Loop:
             "num_kv_restores": self.system.num_restores,
             "host_kv_mean_bytes": float(np.mean([s["host_kv"] for s in self.samples])) if self.samples else 0.0,
             "makespan_s": max((sr.finish_s for sr in self.done), default=0.0),
+            "running_cap_step_share": self.capped_steps / self.num_steps if self.num_steps else 0.0,
+            "running_kv_mean_share": (float(np.mean([s["kv_running"] / total for s in self.samples]))
+                                      if self.samples and (total := self.system.num_slots * self.system.kvb)
+                                      else 0.0),
         }

@@ -42,6 +42,12 @@ def median_of(g: dict, rate: float, policy: str, key: str) -> float:
     return float(np.median([s[key] for s in g[(rate, policy)].values()]))
 
 
+def _share(g: dict, rate: float, policy: str, key: str) -> str:
+    """Median share over seeds; '-' for records written before the engine reported it."""
+    values = [s[key] for s in g[(rate, policy)].values() if s.get(key) is not None]
+    return f"{np.median(values):.0%}" if values else "-"
+
+
 def spread(g: dict, rate: float, policy: str, key: str) -> tuple[float, float, float]:
     values = [s[key] for s in g[(rate, policy)].values()]
     return float(np.median(values)), float(min(values)), float(max(values))
@@ -84,7 +90,8 @@ def _cell(g: dict, rate: float, policy: str, key: str) -> str:
 
 def _table(g: dict, rates: list[float], slo_s: float) -> list[str]:
     lines = [("| rate (req/s) | policy | P50 TTFT s, median (min-max) | P99 TTFT s, median (min-max) | "
-              "P50 / fcfs | P99 / fcfs | within SLO | sustains |"), "|---|---|---|---|---|---|---|---|"]
+              "P50 / fcfs | P99 / fcfs | within SLO | sustains | steps at running cap | pool held by running |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for rate in rates:
         for policy in POLICIES:
             if (rate, policy) not in g:
@@ -96,7 +103,9 @@ def _table(g: dict, rates: list[float], slo_s: float) -> list[str]:
             ok = "yes" if median_of(g, rate, policy, "ttft_p99_s") <= slo_s else "no"
             lines.append(f"| {rate:g} | {policy} | {_cell(g, rate, policy, 'ttft_p50_s')} | "
                          f"{_cell(g, rate, policy, 'ttft_p99_s')} | {r50} | {r99} | "
-                         f"{median_of(g, rate, policy, 'within_slo'):.3f} | {ok} |")
+                         f"{median_of(g, rate, policy, 'within_slo'):.3f} | {ok} | "
+                         f"{_share(g, rate, policy, 'running_cap_step_share')} | "
+                         f"{_share(g, rate, policy, 'running_kv_mean_share')} |")
     return lines
 
 
@@ -195,7 +204,10 @@ def markdown(records: list[dict], command: str) -> str:
     lines += headline(g, rates, slo_s) + [""]
     base_rate, _ = max_rate(g, rates, BASE, slo_s)
     lines += ["## Per rate", "", ("Ratios are per seed (policy / fcfs), median (min-max); within SLO is the "
-                                  "median share of requests whose TTFT is within the SLO."), ""]
+                                  "median share of requests whose TTFT is within the SLO; steps at running cap: "
+                                  "the share of engine steps run with the running-request cap reached; pool held by "
+                                  "running: the mean share of the pool's slots reserved by running requests (prompt "
+                                  "and output), sampled every second."), ""]
     lines += _table(g, rates, slo_s) + [""]
     if base_rate is not None:
         nxt = [r for r in rates if r > base_rate][:1]
