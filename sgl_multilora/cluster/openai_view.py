@@ -87,6 +87,8 @@ def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
         native = {"input_ids": prompt}
     else:
         return None
+    if any(name in body and not _typed(body[name], default) for name, (_, default) in SAMPLING_FIELDS.items()):
+        return None  # the worker's validation answers it
     params = {native_name: body.get(name, default) for name, (native_name, default) in SAMPLING_FIELDS.items()}
     params.update(dict.fromkeys(UNSET_PARAMS))
     if not isinstance(params["max_new_tokens"], int) or params["max_new_tokens"] <= 0:
@@ -102,6 +104,18 @@ def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
         return None  # a list: a batch's fields
     native.update(passed)
     return native if carriable(native) else None
+
+
+def _typed(value, default) -> bool:
+    """`value` has the type SGLang's request model gives the field whose default is `default` (numbers as numbers,
+    flags as bools, None only where the default is None), so that what is carried is what the worker accepts."""
+    if default is None:
+        return True  # an optional field: its own checks stay with the worker (a bad value fails the native body)
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class CompletionView:

@@ -55,6 +55,10 @@ def test_carried_body_is_what_sglang_builds(body):
     {"model": "m", "prompt": ""},
     {"model": "m", "prompt": [1, "a"]},
     {"model": "m", "prompt": "a", "max_tokens": 0},
+    {"model": "m", "prompt": "a", "temperature": None},  # not an optional field: the worker's validation answers
+    {"model": "m", "prompt": "a", "max_tokens": 3.5},
+    {"model": "m", "prompt": "a", "ignore_eos": 1},
+    {"model": "m", "prompt": "a", "top_k": True},
     {"model": "m", "prompt": "a", "rid": ["x"]},
     {"model": "m", "prompt": "a", "stream_options": {"include_usage": True, "other": 1}},
     "not an object",
