@@ -11,6 +11,7 @@ the server's process tree and its adapter bytes. Phase 1 is the warm-up for the 
 Results: eval/results/soak.jsonl (one line per phase, then a summary line) and soak.md.
 
 Usage: .venv/bin/python -m eval.bench.soak [--minutes 20] [--url http://127.0.0.1:PORT]
+       [--server-args "--multilora-scheduler multiqueue"] [--out eval/results/soak_multiqueue]
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ def wait_idle(url: str, timeout_s: float) -> tuple[bool, float, list[dict]]:
 
 
 def adapter_state(memory: list[dict]) -> tuple[int, list[str]]:
-    """Adapter bytes summed over schedulers and the adapter names any scheduler holds."""
+    """Adapter bytes summed over schedulers and the adapter names any scheduler holds weights of (the copy layers
+    compute with, or, with the unified pool, the host copy a resident adapter is loaded from)."""
     entries = [m.get("adapters") or {} for m in memory]
-    names = sorted({n for a in entries for n in a.get("weights", {})})
+    names = sorted({n for a in entries for n in (*a.get("weights", {}), *a.get("host", {}))})
     return sum(a.get("total", 0) for a in entries), names
 
 
@@ -187,6 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=4096,
                         help="KV slots of the started server (small: the cache fills and evicts)")
     parser.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
+    parser.add_argument("--server-args", default="",
+                        help="more arguments for the started server, one string (e.g. "
+                             "\"--multilora-scheduler multiqueue\")")
     # On the quiet 2-core machine an answer takes seconds; 300 s is two orders of magnitude more,
     # so a timeout means a hang, not a slow step. Other jobs on the cores slow decoding down by
     # 10x or more: raise it there rather than count their load as server failures.
@@ -210,7 +215,7 @@ def start_server(args: argparse.Namespace, model_path: Path) -> tuple[ServerHand
     """Starts the CPU server; returns its handle and Server record."""
     from sgl_multilora.server import launch
 
-    extra = server_args(args.adapters_dir, args.max_total_tokens)
+    extra = server_args(args.adapters_dir, args.max_total_tokens) + shlex.split(args.server_args)
     print(f"starting a CPU server: {shlex.join(extra)}", flush=True)
     handle = launch(model_path, extra)
     print(f"server at {handle.url}, log {handle.log_path}", flush=True)

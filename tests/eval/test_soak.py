@@ -295,3 +295,15 @@ def test_churn_cycle_loads_unloads_and_keeps_recent_targets(tmp_path):
     churn.cleanup([names[0], "caps"])  # a request loaded names[0] again; "caps" is bundled
     assert [(a.action, a.name) for a in client.admin[4:]] == [("unload", names[0])]
     assert churn.targets() == [] and list(workdir.iterdir()) == []
+
+
+def test_adapter_state_names_host_copies_when_the_unified_pool_holds_the_weights():
+    """With the unified pool `/multilora/stats` lists loaded adapters under `host` (the copies residency loads from)
+    and none under `weights`: a churned copy left loaded must still be named, or the phase's cleanup misses it."""
+    from eval.bench.soak import adapter_state
+
+    unified = [{"adapters": {"weights": {}, "host": {"caps": 100, "churn-1-caps": 100}, "slot_buffers": 0,
+                             "total": 200}}]
+    stock = [{"adapters": {"weights": {"caps": 100}, "host": {"caps": 0}, "slot_buffers": 0, "total": 100}}]
+    assert adapter_state(unified) == (200, ["caps", "churn-1-caps"])
+    assert adapter_state(stock) == (100, ["caps"])
