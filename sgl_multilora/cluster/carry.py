@@ -43,13 +43,10 @@ import copy
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
-
-if TYPE_CHECKING:
-    from sgl_multilora.cluster.openai_view import CompletionView
 
 logger = logging.getLogger("sgl_multilora.cluster.carry")
 MAX_FAILOVERS = 3
@@ -90,6 +87,21 @@ def carriable(body: dict) -> bool:
             and not input_logprobs and not stateful
             and not isinstance(body.get("rid"), list)
             and not body.get("input_embeds") and not body.get("image_data") and not body.get("session_params"))
+
+
+def error_status(error) -> int:
+    """The HTTP status of a request that ended with `error` (a stream's error object): its code when that is one."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 500
+
+
+class ClientView(Protocol):
+    """The client's format when it is not the native one (openai_view.CompletionView): native chunks in, the
+    client's events and final object out."""
+
+    def stream_chunk(self, out: dict) -> bytes: ...
+    def stream_end(self) -> bytes: ...
+    def response(self, out: dict) -> dict: ...
 
 
 class Front(Protocol):
@@ -155,7 +167,7 @@ class CarriedRequest:
     """One request's life through the gateway: segments on one worker each, joined for its client."""
 
     def __init__(self, gateway: Front, body: dict, worker: int, adapter: str | None, prompt: str,
-                 view: CompletionView | None = None) -> None:
+                 view: ClientView | None = None) -> None:
         self.gw, self.adapter, self.prompt = gateway, adapter, prompt
         self.view = view  # the client's format when it is not the native one (an OpenAI completion)
         self.body = body
@@ -233,13 +245,14 @@ class CarriedRequest:
             self.worker = dst
             self.finish_reason = None
             self.upstream_rid = f"m{len(self.migrations)}-{self.rid}"
-        if self.client_stream:
+        if self.client_stream and self.response is not None:
             await self.response.write(self.view.stream_end() if self.view is not None else b"data: [DONE]\n\n")
             await self.response.write_eof()
             return self.response
         last = self.last or {}
-        return web.json_response(self.view.response(last) if self.view is not None else last, status=200,
-                                 headers=self._headers())
+        error = last.get("error") if isinstance(last, dict) else None
+        return web.json_response(self.view.response(last) if self.view is not None else last,
+                                 status=error_status(error) if error is not None else 200, headers=self._headers())
 
     def _headers(self) -> dict:
         return {ROUTED_HEADER: self.answered_by} if self.answered_by else {}
@@ -418,6 +431,8 @@ class CarriedRequest:
         self.last = out
         if not self.client_stream:
             return
+        if self.response is None and self.view is not None and "error" in out:
+            return  # nothing streamed yet: answered as an HTTP error, as the worker's OpenAI route does
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers={
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers()})

@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from sgl_multilora.cluster.carry import carriable
+from sgl_multilora.cluster.carry import carriable, error_status
 
 SAMPLING_FIELDS = {
     # CompletionRequest field -> (native sampling parameter, SGLang's default); serving_completions'
@@ -106,6 +106,18 @@ def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
     return native if carriable(native) else None
 
 
+def openai_error(error) -> dict:
+    """A native error object (`{"message", "type", "code"}` of a worker's stream, or the gateway's own) as SGLang's
+    OpenAI routes write one (`ErrorResponse`): a worker's invalid request is a BadRequestError."""
+    error = error if isinstance(error, dict) else {"message": str(error)}
+    code = error_status(error)
+    kind = error.get("type")
+    if kind in (None, "invalid_request_error") and code < 500:
+        kind = "BadRequestError"
+    kind = kind or "InternalServerError"
+    return {"object": "error", "message": str(error.get("message", "")), "type": kind, "param": None, "code": code}
+
+
 def _typed(value, default) -> bool:
     """`value` has the type SGLang's request model gives the field whose default is `default` (numbers as numbers,
     flags as bools, None only where the default is None), so that what is carried is what the worker accepts."""
@@ -136,9 +148,9 @@ class CompletionView:
         self.last_meta: dict = {}
 
     def stream_chunk(self, out: dict) -> bytes:
-        """One SSE event for a native chunk (an error object is passed on as it is)."""
+        """One SSE event for a native chunk (an error object as OpenAI's error event)."""
         if "error" in out:
-            return b"data: " + json.dumps(out).encode() + b"\n\n"
+            return b"data: " + json.dumps({"error": openai_error(out["error"])}).encode() + b"\n\n"
         meta = out.get("meta_info") or {}
         self.last_meta = meta
         text = out.get("text") or ""
@@ -165,9 +177,9 @@ class CompletionView:
         return tail + b"data: [DONE]\n\n"
 
     def response(self, out: dict) -> dict:
-        """The non-streaming answer for the final native object."""
+        """The non-streaming answer for the final native object (an error object as OpenAI's error)."""
         if "error" in out:
-            return out
+            return openai_error(out["error"])
         meta = out.get("meta_info") or {}
         reason = meta.get("finish_reason") or None
         return {"id": meta.get("id"), "object": "text_completion", "created": self.created, "model": self.model,

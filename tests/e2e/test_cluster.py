@@ -238,6 +238,26 @@ def test_openai_completion_moved_mid_generation_answers_as_the_worker_does(clust
     assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"], penalised.text
 
 
+def test_bad_input_of_a_carried_request_gets_the_workers_error_and_status(cluster):
+    """A prompt longer than the model's context, carried natively or as an OpenAI completion, streamed or not: the
+    client gets the status and the error a worker itself answers (OpenAI's error object on the OpenAI route)."""
+    too_long = [100] * 9000  # SmolLM2's context is 8,192 tokens
+    native = {"input_ids": too_long, "sampling_params": {"max_new_tokens": 4}}
+    direct = requests.post(cluster.worker_urls[0] + "/generate", json=native, timeout=300)
+    routed = requests.post(cluster.url + "/generate", json=native, timeout=300)
+    assert direct.status_code == routed.status_code == 400, (direct.text, routed.text)
+    assert routed.json()["error"]["message"] == direct.json()["error"]["message"]
+    assert "context length" in routed.json()["error"]["message"]
+    for stream in (False, True):
+        body = {"model": requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"],
+                "prompt": too_long, "max_tokens": 4, "stream": stream}
+        direct = requests.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300)
+        routed = requests.post(cluster.url + "/v1/completions", json=body, timeout=300)
+        assert direct.status_code == routed.status_code == 400, (stream, direct.text, routed.text)
+        assert routed.json() == direct.json(), stream
+    assert requests.get(cluster.url + "/cluster/stats", timeout=60).json()["carried"] == 0
+
+
 def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenizer):
     """Export and import read and write any tenant's cache: admin key only. An import whose adapter identity is not
     loaded, whose layout differs, or that is not a KV export at all is refused with a message saying so."""

@@ -125,5 +125,11 @@ def test_incremental_workers_send_deltas_as_they_are():
     view = CompletionView({"model": "m", "prompt": "a"}, PLAIN, incremental=True)
     texts = [json.loads(view.stream_chunk(native_chunk(t, 1, None))[6:])["choices"][0]["text"] for t in ("ab", "c")]
     assert texts == ["ab", "c"]
-    error = {"error": {"message": "gone", "code": 503}}
-    assert json.loads(view.stream_chunk(error)[6:]) == error and view.response(error) == error
+    # errors as SGLang's OpenAI routes write them (ErrorResponse)
+    worker = {"error": {"message": "too long", "type": "invalid_request_error", "code": 400, "retryable": False}}
+    expected = protocol.ErrorResponse(message="too long", type="BadRequestError", code=400).model_dump()
+    assert view.response(worker) == expected
+    assert json.loads(view.stream_chunk(worker)[6:]) == {"error": expected}
+    ours = {"error": {"message": "no worker", "type": "server_error", "code": 503, "retryable": True}}
+    assert view.response(ours) == {"object": "error", "message": "no worker", "type": "server_error", "param": None,
+                                   "code": 503}
