@@ -23,7 +23,7 @@ from sgl_multilora.cluster.carry import (
     CarriedRequest,
     IncrementalText,
 )
-from sgl_multilora.server import free_port
+from tests.local_app import local_app
 
 
 def joined(tokenizer, body: dict, done: list[int], seg: list[int], final: bool) -> tuple[dict, bool]:
@@ -35,23 +35,15 @@ def joined(tokenizer, body: dict, done: list[int], seg: list[int], final: bool) 
                                                            skip_special_tokens=data["skip_special_tokens"])})
 
     async def run():
-        app = web.Application()
-        app.router.add_post("/detokenize", detokenize)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        async with aiohttp.ClientSession() as session:
-            gw = SimpleNamespace(session=session, worker_urls=[f"http://127.0.0.1:{port}"], incremental=False)
+        async with local_app(("POST", "/detokenize", detokenize)) as url, aiohttp.ClientSession() as session:
+            gw = SimpleNamespace(session=session, worker_urls=[url], incremental=False)
             carried = CarriedRequest(gw, body, 0, None, "prompt")
             carried.prompt_ids, carried.done_ids, carried.seg_ids = [1, 2, 3], done, seg
             carried.migrations = [{"from": 1, "to": 0, "kind": "kv", "at_token": len(done)}]
             carried.done_text = await carried._decoded(done, final=False)
             carried.boundaries = [len(carried.done_text)]
             out = {"text": "", "output_ids": seg, "meta_info": {"finish_reason": {"type": "length"} if final else None}}
-            result = await carried._joined(out)
-        await runner.cleanup()
-        return result
+            return await carried._joined(out)
 
     return asyncio.run(run())
 
@@ -145,16 +137,9 @@ def stream_moved(tokenizer, ids: list[int], moves: list[int], chunks: list[int])
         return "recompute", {}
 
     async def run():
-        app = web.Application()
-        app.router.add_post("/detokenize", detokenize)
-        app.router.add_post("/abort_request", abort)
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        async with aiohttp.ClientSession() as session:
+        routes = (("POST", "/detokenize", detokenize), ("POST", "/abort_request", abort),
+                  ("POST", "/generate", generate))
+        async with local_app(*routes) as url, aiohttp.ClientSession() as session:
             gw = SimpleNamespace(session=session, router_url=url, worker_urls=[url] * 3,
                                  smg_index={"native": [0, 1, 2]}, incremental=False,
                                  check_answered=lambda *a: None, worker_alive=ok, carry_kv=recompute,
@@ -169,7 +154,6 @@ def stream_moved(tokenizer, ids: list[int], moves: list[int], chunks: list[int])
 
             carried._emit = record
             await carried.run(None)
-        await runner.cleanup()
         return given, carried.last, detokenized
 
     return asyncio.run(run())

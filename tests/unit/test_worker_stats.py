@@ -20,7 +20,7 @@ from sgl_multilora.cluster.gateway import Gateway, _kv_capacity
 from sgl_multilora.cluster.moves import STATS_TTL_S, WorkerMemory, worker_memory
 from sgl_multilora.cluster.placement import Placement
 from sgl_multilora.cluster.records import Move
-from sgl_multilora.server import free_port
+from tests.local_app import local_app
 
 TREE = {"num_matches": 12, "hits": {"base": 3, "lora": 5}, "hit_tokens": {"base": 96, "lora": 410},
         "num_namespaces": 3, "num_adapter_nodes": 2, "num_kv_nodes": 17, "total_len": 1530, "evictable_len": 1210,
@@ -92,14 +92,10 @@ def test_moves_share_a_workers_figures_for_a_while(monkeypatch):
         return web.json_response(answers[worker])
 
     async def run():
-        app = web.Application()
-        app.router.add_get("/{worker}/multilora/stats", stats)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        gateway = Gateway("http://router", [f"http://127.0.0.1:{port}/w0", f"http://127.0.0.1:{port}/w1"],
-                          Placement(2), admin_key="key")
+        async with local_app(("GET", "/{worker}/multilora/stats", stats)) as url:
+            await plan_moves(Gateway("http://router", [f"{url}/w0", f"{url}/w1"], Placement(2), admin_key="key"))
+
+    async def plan_moves(gateway: Gateway) -> None:
         now = [100.0]
         gateway.clock = lambda: now[0]
         async with aiohttp.ClientSession() as gateway.session:
@@ -121,6 +117,5 @@ def test_moves_share_a_workers_figures_for_a_while(monkeypatch):
             gateway._set_down(0)
             assert await gateway._memory(0) == WorkerMemory() and await gateway._memory(0) == WorkerMemory()
             assert reads["w0"] == 4
-        await runner.cleanup()
 
     asyncio.run(run())
