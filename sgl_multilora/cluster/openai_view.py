@@ -38,15 +38,17 @@ UNSET_PARAMS = ("stop_regex", "regex", "json_schema", "ebnf", "custom_params", "
 """Native parameters `_build_sampling_params` also passes, None for every carried request."""
 PASSED_FIELDS = ("lora_path", "rid", "extra_key", "cache_salt", "priority")
 """Request fields the native body takes as they are."""
-NEUTRAL_FIELDS = {"model": None, "stream": False, "stream_options": None, "user": None, "best_of": None,
-                  "echo": False, "logprobs": None, "suffix": None, "return_hidden_states": False,
-                  "return_routed_experts": False, "routed_experts_start_len": 0,
-                  "return_cached_tokens_details": False, "return_spec_tokens_details": False,
-                  "return_token_ids": False, "regex": None, "json_schema": None, "ebnf": None, "stop_regex": None,
-                  "response_format": None, "custom_params": None, "custom_logit_processor": None,
-                  "session_id": None, "session_params": None, "watermark": None, "custom_labels": None}
-"""Fields a carried request may carry only at these values (best_of also 1): the others need what this view
-does not write or what a move cannot continue."""
+FREE_FIELDS = ("prompt", "model", "stream", "stream_options", "user")
+"""Fields any carried request may hold (the prompt and the stream's options are read below)."""
+NEUTRAL_FIELDS = {"best_of": (None, 1), "echo": (False,), "logprobs": (None,), "suffix": (None,),
+                  "return_hidden_states": (False,), "return_routed_experts": (False,),
+                  "routed_experts_start_len": (0,), "return_cached_tokens_details": (False,),
+                  "return_spec_tokens_details": (False,), "return_token_ids": (False,), "regex": (None,),
+                  "json_schema": (None,), "ebnf": (None,), "stop_regex": (None,), "response_format": (None,),
+                  "custom_params": (None,), "custom_logit_processor": (None,), "session_id": (None,),
+                  "session_params": (None,), "watermark": (None,), "custom_labels": (None,)}
+"""Fields a carried request may hold only at these values: the others need what this view does not write or what
+a move cannot continue."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,9 @@ def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
     gateway: `model` the served one, an adapter in `lora_path`), or None when the request is not carried."""
     if settings.completion_template is not None or not isinstance(body, dict):
         return None
-    known = set(SAMPLING_FIELDS) | set(PASSED_FIELDS) | set(NEUTRAL_FIELDS) | {"prompt"}
-    if set(body) - known:
+    known = set(SAMPLING_FIELDS) | set(PASSED_FIELDS) | set(NEUTRAL_FIELDS) | set(FREE_FIELDS)
+    if set(body) - known or any(body[k] not in NEUTRAL_FIELDS[k] for k in body.keys() & NEUTRAL_FIELDS.keys()):
         return None
-    for name, neutral in NEUTRAL_FIELDS.items():
-        value = body.get(name, neutral)
-        if name in ("model", "stream", "stream_options", "user"):
-            continue
-        if value != neutral and not (name == "best_of" and value == 1):
-            return None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -91,7 +87,7 @@ def completion_as_native(body: dict, settings: ServingSettings) -> dict | None:
         return None  # the worker's validation answers it
     params = {native_name: body.get(name, default) for name, (native_name, default) in SAMPLING_FIELDS.items()}
     params.update(dict.fromkeys(UNSET_PARAMS))
-    if not isinstance(params["max_new_tokens"], int) or params["max_new_tokens"] <= 0:
+    if params["max_new_tokens"] <= 0:
         return None  # the worker's validation answers it
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict)
