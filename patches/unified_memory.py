@@ -330,16 +330,12 @@ class LiveMemory:
 
     def load_kept_out(self, budget: int) -> None:
         """At an admission pass's start, with `budget` what the pass has before any hold: the kept-out requests,
-        oldest first, get their adapters loaded into what is left beyond the holds of older ones. Each one made
-        resident is pinned for the pass (as a running request's is), so that no younger request's load, nor
-        SGLang's own eviction, takes it back before its request is visited."""
-        older, pinned = 0, set()
+        oldest first, get their adapters loaded into what is left beyond the holds of older ones."""
+        older = 0
         for rid, held in list(self._holds()):
             identity = self._kept_out[rid][0]
-            if identity not in pinned and (self.residency.is_resident(identity)
-                                           or self.ensure_resident(identity, budget - older)):
-                self.residency.acquire(identity)
-                pinned.add(identity)
+            if not self.residency.is_resident(identity):
+                self.ensure_resident(identity, budget - older)
             older += held
 
     def set_running(self, reqs) -> None:
