@@ -52,20 +52,8 @@ def get_new_batch_prefill(original, self, running_batch):
 
 
 def prefill_adder_init(result, self, *args, **kwargs):
-    """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take.
-    Requests kept out for their adapters get them loaded first, and what they hold back is taken off the budget
-    the other requests see (`LiveMemory.held_back`)."""
+    """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take."""
     process_state().building.adder = self
-    mem = process_state().memory
-    if mem is not None:
-        mem.load_kept_out(int(self.memory_budget.remaining_total))
-        _hold(self, mem.held_back())
-
-
-def _hold(adder, slots: int) -> None:
-    """Takes `slots` more (or, negative, fewer) off what the pass's requests may still be given."""
-    adder.memory_budget.total_offset += slots
-    adder.memory_budget.current_offset += slots
 
 
 def can_schedule_lora_req(original, self, req, running_loras):
@@ -82,19 +70,11 @@ def can_schedule_lora_req(original, self, req, running_loras):
         return True  # unknown adapters are answered by ingress with HTTP 400
     adder = getattr(process_state().building, "adder", None)
     budget = None if adder is None else int(adder.memory_budget.remaining_total)
-    held = mem.held_back()
-    admitted = mem.admit(req.rid, identity, _prompt_tokens(req), budget)
-    if admitted and identity is not None:
+    if not mem.admit(req.rid, identity, budget):
+        return False
+    if identity is not None:
         mem.residency.acquire(identity)  # pinned until the pass ends and the counts are read off the batches
-    if adder is not None:
-        _hold(adder, mem.held_back() - held)
-    return admitted
-
-
-def _prompt_tokens(req) -> int:
-    """The tokens a waiting request will compute when admitted (its last pass's count, else its whole input)."""
-    extend = getattr(req, "extend_input_len", 0) or 0
-    return int(extend) if extend > 0 else len(req.origin_input_ids) + len(req.output_ids)
+    return True
 
 
 def add_one_req(original, self, req, *args, **kwargs):

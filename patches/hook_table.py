@@ -112,7 +112,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
           "skip (the queue goes on) a request outside the plan or whose adapter is being copied in"),
     _hook("sglang.srt.managers.schedule_policy.PrefillAdder.__init__", "after", "admission:prefill_adder_init",
           ("self", "tree_cache", "token_to_kv_pool_allocator"),
-          "requests kept out for their adapters load them first; what they hold back is off the pass's budget"),
+          "an adapter load takes no more than the admission pass's prefill budget has left"),
     _hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", "admission:add_one_req",
           ("self", "req"), "the multi-queue plan's gate on servers without LoRA"),
     _hook("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "after",

@@ -21,14 +21,8 @@ protected.
 
 Admission. A request whose adapter is not resident is skipped for this pass (the queue goes on) while the
 swapper makes room and copies it in; the room taken never exceeds what the pass's prefill budget has left, so
-requests already admitted keep their memory. A request kept out so holds back, until it gets in, its adapter's
-slots and its prompt's tokens from every request kept out after it or never kept out (FCFS with backfill: a
-younger request is admitted only into the room beyond what older kept-out ones wait for), and at each pass's
-start the kept-out requests, oldest first, get their adapters loaded as soon as that room exists, whatever
-order the schedule policy visits the queue in. So a request for an evicted adapter waits only for running
-requests to free its room, never for a stream of younger requests whose adapters happen to be resident.
-Adapters used by running or just-admitted requests are never evicted (their counts are set from the
-scheduler's batches before and after every admission pass).
+requests already admitted keep their memory. Adapters used by running or just-admitted requests are never
+evicted (their counts are set from the scheduler's batches before and after every admission pass).
 """
 
 from __future__ import annotations
@@ -59,6 +53,10 @@ logger = logging.getLogger(__name__)
 INITIAL_RECOMPUTE_S_PER_TOKEN = 1e-3
 INITIAL_COPY_BYTES_PER_S = 2e9  # host -> pool copy, replaced by the measured rate after the first load
 EMA = 0.2
+# A request kept out this long because its adapter could not be made resident holds the admission of every request
+# queued after it, so that running requests drain and free the memory it needs (no starvation under a steady stream
+# of requests for resident adapters).
+STARVATION_S = 2.0
 
 
 class UnifiedTokenAllocator(TokenToKVPoolAllocator):
@@ -164,10 +162,10 @@ class LiveMemory:
         self._lora_ids: dict[str, set[str]] = {}  # identity -> the engine's ids that name it
         self._pending_removal: set[str] = set()
         self._prefill_started: float | None = None
-        # rid -> (adapter, prompt tokens) of the requests kept out for their adapters, oldest first
-        self._kept_out: dict[str, tuple[str, int]] = {}
+        self._skipped_since: dict[str, float] = {}  # rid -> when its adapter first could not be made resident
+        self._starving: str | None = None  # the oldest such rid past STARVATION_S
         self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
-        self.num_kept_out = 0  # requests kept out at least once
+        self.num_starvation_holds = 0
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
@@ -283,60 +281,30 @@ class LiveMemory:
         if res.is_resident(identity) or res.is_loading(identity):
             return res.is_resident(identity)
         if budget is not None and res.entry(identity).num_slots > budget:
+            self.num_skipped_admissions += 1
             return False
         if self.swapper.load(identity):
             self.swapper.poll_loads()
+        if not res.is_resident(identity):
+            self.num_skipped_admissions += 1
         return res.is_resident(identity)
 
-    def admit(self, rid: str, identity: str | None, tokens: int, budget: int | None) -> bool:
-        """The admission decision for one waiting request of `tokens` prompt tokens on a resident-or-not adapter
-        (None: the base model). `budget` is what the pass has left once every kept-out request's hold is taken
-        off (`held_back`); this request may load its adapter into that plus what it and the requests kept out
-        after it hold. Not now: the request is kept out and holds back its adapter and tokens from then on."""
-        if identity is None:
+    def admit(self, rid: str, identity: str, budget: int | None) -> bool:
+        """The admission decision for one waiting request on a resident-or-not adapter (None: the base model):
+        `ensure_resident`, with the starvation rule (`STARVATION_S`): while a request has been kept out too long,
+        no other request is admitted."""
+        if self._starving is not None and rid != self._starving:
+            return False
+        if identity is None or self.ensure_resident(identity, budget):
+            self._skipped_since.pop(rid, None)
+            if rid == self._starving:
+                self._starving = None
             return True
-        if budget is not None:
-            budget += self.held_back() - self.held_back(before=rid)
-        if self.ensure_resident(identity, budget):
-            self._kept_out.pop(rid, None)
-            return True
-        self.num_skipped_admissions += 1
-        if rid not in self._kept_out:
-            self.num_kept_out += 1
-        self._kept_out[rid] = (identity, max(0, int(tokens)))
+        since = self._skipped_since.setdefault(rid, time.monotonic())
+        if self._starving is None and time.monotonic() - since > STARVATION_S:
+            self._starving = rid
+            self.num_starvation_holds += 1
         return False
-
-    def _holds(self):
-        """(rid, slots held) per kept-out request, oldest first: its prompt tokens, and the slots of its adapter
-        when the adapter is one SGLang could have back (not resident, or resident and used by no running
-        request), charged once, to the oldest request naming it."""
-        res, charged = self.residency, set()
-        for rid, (identity, tokens) in self._kept_out.items():
-            held = tokens
-            if identity not in charged and identity in self._host and not res.num_running(identity):
-                held += res.entry(identity).num_slots
-                charged.add(identity)
-            yield rid, held
-
-    def held_back(self, before: str | None = None) -> int:
-        """Slots the kept-out requests hold back from the others (with `before`: only those kept out before that
-        request; all of them when it is not kept out)."""
-        total = 0
-        for rid, held in self._holds():
-            if rid == before:
-                break
-            total += held
-        return total
-
-    def load_kept_out(self, budget: int) -> None:
-        """At an admission pass's start, with `budget` what the pass has before any hold: the kept-out requests,
-        oldest first, get their adapters loaded into what is left beyond the holds of older ones."""
-        older = 0
-        for rid, held in list(self._holds()):
-            identity = self._kept_out[rid][0]
-            if not self.residency.is_resident(identity):
-                self.ensure_resident(identity, budget - older)
-            older += held
 
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
@@ -357,8 +325,10 @@ class LiveMemory:
         self.usage.record_request(identity, self.swapper.tree.clock())
 
     def before_prefill_pass(self, reqs, waiting_rids: set[str]) -> None:
-        for rid in [r for r, (i, _) in self._kept_out.items() if r not in waiting_rids or i not in self._host]:
-            del self._kept_out[rid]  # admitted elsewhere, aborted, or its adapter unloaded
+        for rid in [r for r in self._skipped_since if r not in waiting_rids]:  # admitted elsewhere or aborted
+            del self._skipped_since[rid]
+        if self._starving not in self._skipped_since:
+            self._starving = None
         if self.host is not None:
             self.host.prune(waiting_rids)
         self._remove_pending()
@@ -427,9 +397,7 @@ class LiveMemory:
                 for i in self.residency.ids()},
             "swapper": self.swapper.stats(),
             "skipped_admissions": self.num_skipped_admissions,
-            "kept_out_requests": self.num_kept_out,
-            "waiting_for_adapter": len(self._kept_out),
-            "held_back_slots": self.held_back(),
+            "starvation_holds": self.num_starvation_holds,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "recompute_s_per_token": self.usage.kv_reload_s_per_token,
             "prefill_tokens": self.num_prefill_tokens,

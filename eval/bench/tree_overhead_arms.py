@@ -210,7 +210,7 @@ class Driver:
             admitted = need <= budget
             if admitted and mem is not None:  # admission.can_schedule_lora_req
                 identity = self.memory_identity(req.lora_id)
-                admitted = mem.admit(req.rid, identity, need, budget)
+                admitted = mem.admit(req.rid, identity, budget)
                 if admitted:
                     mem.residency.acquire(identity)
             if admitted:

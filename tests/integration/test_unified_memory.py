@@ -208,40 +208,21 @@ def test_a_flush_returns_every_kv_slot_and_keeps_the_adapters(world):
     assert_weights_in_place(memory, adapters["a"])
 
 
-def test_requests_kept_out_for_their_adapters_hold_back_room_oldest_first(world):
-    """FCFS with backfill: a request kept out for its adapter holds back its adapter's slots (once per adapter) and
-    its prompt from younger requests; at a pass's start the oldest kept-out ones get their adapters first."""
+def test_a_request_kept_out_too_long_holds_later_admissions_until_it_gets_in(world, monkeypatch):
+    from sgl_multilora.patches import unified_memory
+
     kv, allocator, tree, memory, adapters, clock = world
+    monkeypatch.setattr(unified_memory, "STARVATION_S", 0.0)
     ident = {n: a.spec.identity for n, a in adapters.items()}
-    size = {n: memory.residency.entry(i).num_slots for n, i in ident.items()}
     running = allocator.alloc(allocator.available_size())  # running requests hold every slot
-    assert memory.held_back() == 0
-    assert not memory.admit("r1", ident["c"], 5, budget=0)
-    assert memory.held_back() == size["c"] + 5
-    assert not memory.admit("r2", ident["b"], 7, budget=0)
-    assert not memory.admit("r3", ident["c"], 3, budget=0)  # c is charged once, to r1
-    assert memory.held_back() == size["c"] + 5 + size["b"] + 7 + 3
-    assert memory.held_back(before="r2") == size["c"] + 5
-    assert memory.held_back(before="r9") == memory.held_back()  # a request never kept out sees every hold
-    assert memory.admit("r4", None, 50, budget=0)  # the base model needs no adapter (its tokens are SGLang's)
-
-    allocator.free(running)  # the running requests finish: room for c and r1's prompt, not yet for b
-    budget = size["c"] + 5 + size["b"] - 1
-    memory.load_kept_out(budget)
-    assert memory.residency.is_resident(ident["c"]) and not memory.residency.is_resident(ident["b"])
-    # Still held for r1 until it is admitted: an idle resident adapter is room SGLang could take back.
-    assert memory.held_back() == size["c"] + 5 + size["b"] + 7 + 3
-
-    # r2 sees the pass's budget less every hold, plus its own and younger ones: b fits once r1's hold is left.
-    remaining = budget + size["b"] - memory.held_back()
-    assert memory.admit("r2", ident["b"], 7, budget=remaining)
-    assert memory.residency.is_resident(ident["b"]) and memory.held_back() == size["c"] + 5 + 3
-    assert memory.admit("r1", ident["c"], 5, budget=0)  # resident: admitted, and its hold is gone
-    memory.residency.acquire(ident["c"])  # as the admission hook does: c runs now, so r3 holds its tokens only
-    assert memory.held_back() == 3
-    memory.before_prefill_pass([], {"r5"})  # r3 left the queue (aborted), r1 finished: nothing held
-    assert memory.held_back() == 0 and memory.stats()["kept_out_requests"] == 3
-    memory.check_invariants()
+    assert not memory.admit("r1", ident["c"], budget=None)  # kept out: c cannot be made resident
+    assert not memory.admit("r1", ident["c"], budget=None)  # ... for too long now
+    assert not memory.admit("r2", None, budget=None) and not memory.admit("r3", ident["a"], budget=None)
+    allocator.free(running)  # the running requests finish
+    assert not memory.admit("r2", None, budget=None)  # still held for r1
+    assert memory.admit("r1", ident["c"], budget=None)
+    assert memory.admit("r2", None, budget=None)  # released
+    assert memory.stats()["starvation_holds"] == 1
 
 
 def test_host_tier_spills_prefetches_and_loads_back_the_same_bytes(world):

@@ -35,7 +35,7 @@ MEMORY = {  # patches/stats.py: kv_accounting, with adapter_accounting, the unif
                                "in_flight": 0, "free": 97873920},
                      "slots": {"adapter": 192, "kv_cached": 1210, "kv_running": 320, "in_flight": 0, "free": 5310},
                      "tree_kv_tokens": 1210, "adapters": {"registered": 2, "resident": 2, "loading": 0},
-                     "adapter_sizes": {}, "swapper": {}, "skipped_admissions": 0, "kept_out_requests": 0,
+                     "adapter_sizes": {}, "swapper": {}, "skipped_admissions": 0, "starvation_holds": 0,
                      "copy_bytes_per_s": 2.1e9, "recompute_s_per_token": 0.00041, "prefill_tokens": 51200,
                      "host_tier": None},
     "scheduler": {"policy": "fcfs"},
