@@ -66,6 +66,8 @@ class MultiLoRAArgs:
     requeue_s: float = 300.0
     # multiqueue: the TTFT SLO in the quota rule Tok_min >= S D (1/SLO + lambda) (seconds).
     ttft_slo_s: float = 5.0
+    # multiqueue: a request queued this long goes before every queue, oldest first (seconds; 0: never).
+    overdue_s: float = 0.0
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -258,6 +260,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.ttft_slo_s,
         metavar="S",
         help="multiqueue: the time-to-first-token SLO the per-queue token quotas are sized for.",
+    )
+    group.add_argument(
+        "--multilora-overdue-s",
+        type=_non_negative_float,
+        default=MultiLoRAArgs.overdue_s,
+        metavar="S",
+        help="multiqueue: a request waiting S seconds goes before every queue, oldest first, and holds back "
+        "younger requests until it fits; bounds the longest wait at the cost of FCFS order once most requests "
+        "are that late (0: never, the published algorithm).",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -45,7 +45,7 @@ from eval.sim.memory import pool_bytes
 from eval.sim.sched_report import markdown, slo_from_light
 from eval.workloads.heterogeneous import HeterogeneousParams, generate
 
-POLICIES = ("fcfs", "lpm", "multiqueue")
+POLICIES = ("fcfs", "lpm", "multiqueue", "multiqueue-overdue")
 DEVICE = "simulated: Llama-3-8B bf16 on one H100 SXM 80 GB, PCIe 5 (eval/sim/latency.py)"
 DEFAULT_RATES = (2.0, 6.0, 10.0, 13.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 25.0, 30.0)
 
@@ -85,7 +85,7 @@ def summarize(run: SimRun, tags: dict[str, dict], slo_s: float | None) -> dict:
 def sched_state(run: SimRun) -> dict | None:
     """The multi-queue scheduler's state at the end of a run (None for the other policies)."""
     adm = run.admission
-    if adm is None or adm.name != "multiqueue":
+    if adm is None or not adm.name.startswith("multiqueue"):
         return None
     s = adm.mq.stats()
     return {"num_queues": len(s.queues), "cutoffs": list(s.cutoffs), "quota_tokens": [q.quota_tokens for q in s.queues],

@@ -50,6 +50,14 @@ class SchedConfig:
     the queue goes first (the starvation bound in multiqueue.py)."""
     max_squashes: int = 1
     """A request is squashed at most this often (no livelock between bypass and squash)."""
+    overdue_s: float = math.inf
+    """A request queued this long is overdue: overdue requests go before every queue, oldest first,
+    whatever their queue's quota, and while the oldest of them does not fit the batch budget the
+    batch takes nothing else (multiqueue.py). This bounds every wait by `overdue_s` plus the FCFS
+    wait among overdue requests; the price is that past the knee, when most requests are overdue,
+    admission turns into FCFS and loses the share of requests served within the SLO that ordering
+    by size wins (eval/results/sim_chameleon.md measures both). inf (the default): never overdue,
+    Chameleon's Algorithm 1 as published."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -65,6 +73,7 @@ class SchedConfig:
             "lookahead >= 0": self.lookahead >= 0,
             "max_budget_skips >= 1": self.max_budget_skips >= 1,
             "max_squashes >= 0": self.max_squashes >= 0,
+            "overdue_s > 0": self.overdue_s > 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

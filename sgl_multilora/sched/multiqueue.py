@@ -6,6 +6,13 @@ SGLang's objects, one queue's admission rules (admission.py) or the fitting of c
 quotas (plan.py).
 
 Each `build_batch` (reference/seed-chameleon.md, 4.3):
+- Phase 0, only with `config.overdue_s` set (not in the paper): requests queued that long go
+  first, oldest first across queues, each charged to its own queue whatever its quota. If the
+  oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
+  overdue requests), so no request waits more than `overdue_s` plus the FCFS wait of the overdue
+  requests ahead of it. Ordering by size alone moves the tail onto large requests (at the knee of
+  eval/results/sim_chameleon.md, P99 TTFT over twice fcfs's); this bounds it, and past the knee,
+  where most requests are overdue, gives FCFS order back.
 - Phase 1: queues in ascending WRS order admit FIFO up to their available quota (quota minus the
   tokens their running requests hold).
 - Phase 2: queues left empty lend their unused quota; non-empty queues, smallest first, admit
@@ -28,6 +35,7 @@ calls when every budget covers the largest queued cost.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from itertools import pairwise
@@ -66,7 +74,7 @@ class MultiQueueScheduler:
         self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
-                       "pushed_back": 0}
+                       "pushed_back": 0, "overdue": 0}
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -148,6 +156,9 @@ class MultiQueueScheduler:
         self.refresh(now)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch)
         batch: list[SchedRequest] = []
+        if self._admit_overdue(ctx, batch):
+            self._num_batches += 1
+            return batch
         k = self.queues.num_queues
         promoted = sorted(self._promoted, key=self._promoted.__getitem__)
         for q in promoted + [q for q in range(k) if q not in self._promoted]:
@@ -161,6 +172,43 @@ class MultiQueueScheduler:
                 self._scan(q, ctx, batch, lenders)
         self._num_batches += 1
         return batch
+
+    def _admit_overdue(self, ctx: BatchContext, batch: list[SchedRequest]) -> bool:
+        """Phase 0: overdue requests (queued `config.overdue_s` or longer), oldest first across
+        queues, each charged to its own queue whatever its quota says. One whose adapter is not
+        resident is passed over (its adapter prefetched), at most `lookahead` of them. True when
+        the oldest resident overdue request does not fit the budget: the batch then takes nothing
+        else, so that the room freed by finishing requests goes to it rather than to younger
+        requests (the FCFS hold, for overdue requests only)."""
+        if math.isinf(self.config.overdue_s):
+            return False
+        limit = ctx.now - self.config.overdue_s
+        overdue = []
+        for q in range(self.queues.num_queues):
+            for r in self.queues.scan(q):
+                if r.arrival > limit:
+                    break
+                overdue.append(r)
+        if not overdue:
+            return False
+        overdue.sort(key=lambda r: r.seq)
+        passed = 0
+        for r in overdue:
+            if not ctx.resident(r.adapter):
+                ctx.loadable(r.adapter)
+                passed += 1
+                if passed > self.config.lookahead:
+                    return False
+                continue
+            if ctx.budget is not None and r.cost_tokens > ctx.budget:
+                return True
+            r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
+            if ctx.budget is not None:
+                ctx.budget -= r.cost_tokens
+            self._start(r, ctx.now)
+            batch.append(r)
+            self.counts["overdue"] += 1
+        return False
 
     def _scan(self, q: int, ctx: BatchContext, batch: list[SchedRequest],
               lenders: list[list[int]] | None) -> None:

@@ -3,7 +3,8 @@
 Concurrent base, LoRA and aLoRA requests of very different sizes (short and long prompts, 8 to 24 new tokens) on a
 server whose KV pool and adapter ranks make the multi-queue plan matter: every greedy output equals PEFT's (tokens
 and logprobs), every request is answered, and when idle the scheduler holds nothing (every admitted request
-finished, no queue holds a request, no quota tokens held). Test mode checks the scheduler's and the pool's
+finished, no queue holds a request, no quota tokens held). Requests queued past `--multilora-overdue-s` go first,
+oldest first, over their queues' quotas. Test mode checks the scheduler's and the pool's
 invariants after every step.
 """
 
@@ -27,7 +28,7 @@ def server(model_path):
     handle = start_server(model_path, [
         "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4", "--max-lora-rank", "32",
         "--radix-cache-backend", "multilora", "--multilora-scheduler", "multiqueue", "--multilora-requeue-s", "5",
-        "--chunked-prefill-size", "128", "--multilora-check-invariants",
+        "--multilora-overdue-s", "1", "--chunked-prefill-size", "128", "--multilora-check-invariants",
     ], name="e2e_multiqueue", max_total_tokens=4096, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
     yield handle
     handle.stop()
@@ -66,6 +67,7 @@ def test_outputs_under_multiqueue_equal_peft_and_nothing_is_held_when_idle(serve
     assert s["num_queued"] == 0 and s["num_running"] == 0, s
     assert all(q["held_tokens"] == 0 and q["num_queued"] == 0 for q in s["queues"]), s
     assert s["predictor"]["num_observed"] >= len(work), s["predictor"]
+    assert s["counts"]["overdue"] > 0, s  # twenty requests on two cores: some waited past --multilora-overdue-s
 
 
 def test_aborts_and_an_unload_while_requests_wait_leave_nothing_behind(server, tokenizer, manifest, oracle):

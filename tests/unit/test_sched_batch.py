@@ -236,3 +236,58 @@ def test_a_set_plan_is_not_replaced_by_the_warm_up():
         s.add(req(f"r{i}", 100, arrival=i * 0.1))
         assert not s.refresh(now=i * 0.1)
     assert s.plan.clustering.cutoffs == (0.5,) and s.refresh(now=100.0)
+
+
+def overdue_scheduler(**kw) -> MultiQueueScheduler:
+    """Every quota held and every queue non-empty (nothing to lend): only overdue requests can go in."""
+    s = make([300, 800, 1000], **kw)
+    add_all(s, req("l1", 1000, arrival=0.0), req("l2", 1000, arrival=0.0),
+            *(req(f"s{i}", 100, arrival=1.0) for i in range(1, 5)),
+            *(req(f"m{i}", 400, arrival=1.0) for i in range(1, 4)))
+    assert rids(s.build_batch(0.0)) == ["s1", "s2", "s3", "m1", "m2", "l1"]
+    return s
+
+
+def test_an_overdue_request_goes_first_whatever_its_quota():
+    s = overdue_scheduler(overdue_s=5.0)
+    assert rids(s.build_batch(4.9, budget_tokens=2000)) == []  # not overdue yet; every quota held
+    # at 5 s l2 is overdue: it goes before the small queue, charged to its own queue over its quota
+    assert rids(s.build_batch(5.0, budget_tokens=1100)) == ["l2"]
+    assert s.running["l2"].charges == [(2, 1000)] and s.ledger.available(2) == -1000
+    assert s.counts["overdue"] == 1
+    # s4 and m3 (queued at 1 s) are overdue at 6 s: in arrival order, over their queues' quotas too
+    assert rids(s.build_batch(6.0, budget_tokens=1100)) == ["s4", "m3"]
+    assert s.ledger.available(0) == -100 and s.ledger.available(1) == -400
+    assert s.counts["overdue"] == 3
+    s.check_invariants()
+
+
+def test_an_overdue_request_that_does_not_fit_holds_back_younger_ones():
+    s = overdue_scheduler(overdue_s=5.0)
+    s.on_finish("s1", 5.0)
+    add_all(s, req("s5", 100, arrival=5.0))
+    # l2 is overdue and the budget is below its cost: the small queue's free 100 stays unused, so the
+    # room freed by finishing requests gathers for l2
+    assert rids(s.build_batch(5.0, budget_tokens=900)) == []
+    assert rids(s.build_batch(5.5, budget_tokens=1100)) == ["l2", "s4"]
+    s.check_invariants()
+
+
+def test_an_overdue_request_waiting_for_its_adapter_holds_back_nothing():
+    s = make([300, 800, 1000], overdue_s=5.0)
+    add_all(s, req("l1", 1000, adapter="b", arrival=0.0), req("s1", 100, arrival=1.0))
+    prefetched = []
+
+    def prefetch(adapter):
+        prefetched.append(adapter)
+        return True
+
+    batch = s.build_batch(6.0, budget_tokens=500, is_resident={"a"}.__contains__, request_prefetch=prefetch)
+    assert rids(batch) == ["s1"] and prefetched == ["b"]  # l1 passed over, its adapter asked for
+    s.check_invariants()
+
+
+def test_without_overdue_s_nobody_is_ever_overdue():
+    s = overdue_scheduler()
+    assert rids(s.build_batch(10_000.0, budget_tokens=10_000)) == []  # l2 waits for l1's quota, however long
+    assert s.counts["overdue"] == 0

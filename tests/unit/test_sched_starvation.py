@@ -162,3 +162,47 @@ def test_engine_pushbacks_cannot_starve_a_large_request():
             break
     assert admitted_at == SKIPS, admitted_at  # pushed back SKIPS times, then its queue went first
     assert s.counts["pushed_back"] >= SKIPS
+
+
+OVERDUE_S = 3
+
+
+@settings(max_examples=30, deadline=None)
+@given(pattern=st.sampled_from(["tiny_bursts_vs_large", "all_one_queue", "alternating", "random"]),
+       plan=st.sampled_from(PLANS),
+       durations=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+       budget_slack=st.none() | st.integers(0, 100),
+       data=st.data())
+def test_with_overdue_s_every_wait_is_bounded_by_the_overdue_requests_ahead(pattern, plan, durations,
+                                                                           budget_slack, data):
+    """With `overdue_s`, a request is admitted at most n batches after it becomes overdue, n being the older
+    requests still queued then (each batch takes at least the oldest overdue request when every budget covers the
+    largest cost), and in the batch it becomes overdue when there is no budget: whatever the quotas and however
+    long the running requests hold them."""
+    cutoffs, quotas = plan
+    cfg = SchedConfig(total_tokens=sum(quotas), requeue_s=math.inf, initial_norm=WrsNormalizer(1000, 1000, 8),
+                      max_budget_skips=SKIPS, overdue_s=OVERDUE_S)
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
+    s.set_plan(cutoffs, quotas)
+    budget = None if budget_slack is None else C_MAX + budget_slack
+    deadline: dict[str, int] = {}  # rid -> the batch by which it must be admitted
+    finish_at: dict[str, int] = {}
+    num_admitted = 0
+    for it in range(NUM_ITERS):
+        for rid in [rid for rid, t in finish_at.items() if t == it]:
+            s.on_finish(rid, float(it))
+            del finish_at[rid]
+        for j, size in enumerate(sizes_for(pattern, it, data)):
+            r = request(f"{it}.{j}", size)
+            r.arrival = float(it)
+            s.add(r)
+        queued = sorted((r for q in range(s.queues.num_queues) for r in s.queues.scan(q)), key=lambda r: r.seq)
+        for n, r in enumerate(x for x in queued if it - x.arrival >= OVERDUE_S):
+            deadline.setdefault(r.rid, it + (0 if budget is None else n))
+        for r in s.build_batch(float(it), budget_tokens=budget):
+            finish_at[r.rid] = it + durations[num_admitted % len(durations)]
+            num_admitted += 1
+            deadline.pop(r.rid, None)
+        late = [rid for rid, d in deadline.items() if d <= it]
+        assert not late, f"overdue requests {late} still queued at batch {it}"
+        s.check_invariants()

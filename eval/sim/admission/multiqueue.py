@@ -26,6 +26,7 @@ Choices of the simulator, each a departure from the live hook:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from eval.sim.admission.base import BaseAdmission
@@ -53,13 +54,18 @@ class MultiQueueAdmission(BaseAdmission):
         sched_config = SchedConfig(total_tokens=system.kv_pool.num_slots, ttft_slo_s=config.ttft_slo_s,
                                    initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
                                                               max_rank=max_rank),
-                                   timing=timing)
+                                   timing=timing, overdue_s=self.overdue_s(config))
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
         self.planned: list[SimRequest] = []
         self.num_passes = 0
         self.num_requeued = 0
+
+    @staticmethod
+    def overdue_s(config) -> float:
+        """`SchedConfig.overdue_s`: never overdue (Chameleon's Algorithm 1)."""
+        return math.inf
 
     def on_arrival(self, sr: SimRequest, now: float) -> None:
         name = sr.req.adapter
@@ -97,3 +103,15 @@ class MultiQueueAdmission(BaseAdmission):
         queued = {r.rid for q in range(self.mq.queues.num_queues) for r in self.mq.queues.scan(q)}
         assert queued == {sr.req.rid for sr in waiting}, "scheduler queues and the engine's waiting list differ"
         assert set(self.mq.running) | queued == set(self.by_rid), "a request left the scheduler unfinished"
+
+
+class MultiQueueOverdueAdmission(MultiQueueAdmission):
+    """The same scheduler with `--multilora-overdue-s` at half the TTFT SLO: a request that has used half its
+    slack goes before every queue, oldest first (sgl_multilora/sched/config.py)."""
+
+    name = "multiqueue-overdue"
+    SLO_SHARE = 0.5
+
+    @staticmethod
+    def overdue_s(config) -> float:
+        return MultiQueueOverdueAdmission.SLO_SHARE * config.ttft_slo_s
