@@ -165,6 +165,19 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                also=("sglang.srt.entrypoints.http_server.get_global_state", "sglang.srt.entrypoints.http_server"
                      ".get_serving", "sglang.srt.utils.auth.auth_level",
                      "sglang.srt.managers.io_struct.GetInternalStateReq", f"{_TM}.auto_create_handle_loop")),
+    # ---- chat completions the cluster's gateway can carry -----------------------------------------------------------
+    _hook("sglang.srt.entrypoints.http_server.launch_server", "before", "chat_native:add_routes", ("server_args",),
+          "install POST /multilora/chat/native", Process.HTTP),
+    TouchPoint("sglang.srt.entrypoints.http_server.app", Kind.ROUTE, "patches.chat_native:add_routes", (),
+               "POST /multilora/chat/native: an OpenAI chat completion as the native body the server's own chat "
+               "route would run (its template, tokenizer and defaults), for the gateway to carry", Process.HTTP,
+               also=("sglang.srt.entrypoints.openai.protocol.ChatCompletionRequest",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._validate_request",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._tool_call_parsing_active",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._encoding_output",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._should_return_input_ids",
+                     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._should_return_output_ids")),
     _hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "after",
           "debug_checks:process_batch_result", ("self", "batch", "result"),
           "--multilora-check-invariants (test mode): the tree's invariants after every step"),

@@ -8,9 +8,10 @@ it). smg does the rest: connections, health, retries, streaming. Every other pat
 `GET /cluster/stats` is the cluster view: placements, routed counts, moves by kind, workers down, and each worker's
 KV and adapter memory from its `/multilora/stats`. Not here: starting processes (launch.py).
 
-Single-prompt native `/generate` requests (no input logprobs) and OpenAI `/v1/completions` requests of one prompt
-(openai_view.py says which; they run as the native requests their worker's OpenAI route would run, and their
-client gets OpenAI's objects) are carried: the gateway streams them from the worker and can move them
+Single-prompt native `/generate` requests (no input logprobs), OpenAI `/v1/completions` requests of one prompt
+and plain `/v1/chat/completions` requests (openai_view.py says which; they run as the native requests their
+worker's OpenAI route would run, a chat's built by the worker itself, and their client gets OpenAI's objects) are
+carried: the gateway streams them from the worker and can move them
 mid-generation, when asked (`POST /cluster/migrate {"rid": ..., "to": worker}`) or when their worker
 fails, by token transfer + recompute; their clients see one stream (carry.py has the protocol). A worker whose
 `/health` stops answering is taken out of routing. `/abort_request` for a carried request reaches the worker that
@@ -37,6 +38,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 
 import aiohttp
 from aiohttp import web
@@ -50,10 +52,11 @@ from sgl_multilora.cluster.moves import (
     MovesMixin,
     worker_memory,
 )
-from sgl_multilora.cluster.openai_view import CompletionView, ServingSettings, completion_as_native
+from sgl_multilora.cluster.openai_view import ChatView, CompletionView, ServingSettings, completion_as_native
 from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
+CHAT_NATIVE_ROUTE = "/multilora/chat/native"  # patches/chat_native.py (the gateway imports no SGLang)
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 
@@ -112,6 +115,8 @@ class Gateway(MovesMixin):
         self._balancing: asyncio.Task | None = None
         self.down_events = 0
         self._relearning: asyncio.Task | None = None
+        self.chat_carried = 0  # chat completions carried (movable)
+        self.chat_passed: Counter[str] = Counter()  # chat completions passed to smg, by the worker's reason
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
@@ -192,6 +197,11 @@ class Gateway(MovesMixin):
                     if native is not None:
                         view = CompletionView({**body, "model": client_model}, self.serving, self.incremental)
                         return await self._carry(request, native, adapter, prompt, worker, view)
+                if request.path == "/v1/chat/completions":
+                    native = await self.chat_as_native(body, worker)
+                    if native is not None:
+                        view = ChatView({**body, "model": client_model}, self.serving, self.incremental)
+                        return await self._carry(request, native, adapter, prompt, worker, view)
                 raw = json.dumps(body).encode()
                 kind = "native" if request.path == "/generate" else "openai"
                 headers["X-SMG-Target-Worker"] = str(self.smg_index[kind][worker])
@@ -202,6 +212,22 @@ class Gateway(MovesMixin):
         finally:
             if worker is not None:
                 self.in_flight[worker] -= 1
+
+    async def chat_as_native(self, body: dict, worker: int) -> dict | None:
+        """The native body `worker`'s own chat route would run for `body` (patches/chat_native.py), or None when the
+        worker says the request cannot be carried, or cannot say: it then goes to smg as before."""
+        try:
+            async with self.session.post(self.worker_urls[worker] + CHAT_NATIVE_ROUTE, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=60)) as r:
+                answer = await r.json() if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        native = answer.get("native") if isinstance(answer, dict) else None
+        if isinstance(native, dict) and carriable(native):
+            self.chat_carried += 1
+            return native
+        self.chat_passed[str(answer.get("reason") if isinstance(answer, dict) else None)] += 1
+        return None
 
     async def _forward(self, request, raw: bytes, headers: dict, worker: int | None) -> web.StreamResponse:
         async with self.session.request(request.method, self.router_url + request.path_qs, data=raw,
@@ -247,6 +273,7 @@ class Gateway(MovesMixin):
                                   "kv_transfer": {**self.kv_moves, "policy": self.migration,
                                                   "enabled": bool(self.admin_key),
                                                   "link_bytes_per_s": round(self.link_bytes_per_s)},
+                                  "chat": {"carried": self.chat_carried, "passed": dict(self.chat_passed)},
                                   "down_events": self.down_events, "workers": list(workers)})
 
 

@@ -10,9 +10,13 @@ Carried only when a move can continue the request exactly and this view can writ
 for: one prompt, `n` = 1, no logprobs, no `echo` or `suffix`, no token ids, hidden states or routed experts asked
 back, nothing whose state spans the output (carry.carriable: constrained decoding, penalties) and no completion
 template on the workers (`--completion-template` rewrites the prompt inside their OpenAI route). Any other
-request, or a field this module does not know, goes to smg as before: served the same, never moved. Chat
-completions are not carried: their prompt is the worker's chat template over the messages (with tools, reasoning
-parsers and the model's default sampling parameters), which the gateway would have to reproduce token for token.
+request, or a field this module does not know, goes to smg as before: served the same, never moved.
+
+Chat completions: their prompt is the worker's chat template over the messages, with its tokenizer, stop strings
+and model defaults, which only a worker can reproduce token for token; so a worker builds the native body itself
+(`POST /multilora/chat/native`, patches/chat_native.py, running SGLang's own chat conversion) and says when a chat
+request cannot be carried (tools, reasoning parsers, logprobs, n > 1, ...). `ChatView` writes what the worker's
+`serving_chat` writes for a plain answer: the role chunk, content deltas, the finish chunk, the usage chunk.
 """
 
 from __future__ import annotations
@@ -133,12 +137,7 @@ class CompletionView:
     def __init__(self, body: dict, settings: ServingSettings, incremental: bool) -> None:
         self.model = str(body.get("model") or "default")
         self.settings, self.incremental = settings, incremental
-        options = body.get("stream_options") or None
-        if options:
-            self.include_usage = bool(options.get("include_usage")) or settings.default_include_usage
-            self.continuous_usage = bool(options.get("continuous_usage_stats"))
-        else:
-            self.include_usage, self.continuous_usage = settings.default_include_usage, False
+        self.include_usage, self.continuous_usage = _stream_options(body, settings)
         self.created = int(time.time())
         self.sent = 0  # characters of the cumulative text already sent
         self.last_meta: dict = {}
@@ -187,14 +186,104 @@ class CompletionView:
                              **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}}
 
     def _usage(self, meta: dict, cached: bool, exclude_none: bool) -> dict:
-        """UsageProcessor's figures for one choice, as UsageInfo dumps them (`cached`: with the cached tokens, as
-        the final usage reports them under `--enable-cache-report`; the per-chunk usage never does)."""
-        prompt, completion = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
-        reasoning = int(meta.get("reasoning_tokens", 0) or 0)
-        details = None
-        if cached:
-            details = {"cached_tokens": int(meta.get("cached_tokens", 0))}  # its unset media counts are not written
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                 "prompt_tokens_details": details, "reasoning_tokens": reasoning,
-                 "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
-        return {k: v for k, v in usage.items() if v is not None} if exclude_none else usage
+        return usage_of(meta, cached, exclude_none)
+
+
+def usage_of(meta: dict, cached: bool, exclude_none: bool) -> dict:
+    """UsageProcessor's figures for one choice, as UsageInfo dumps them (`cached`: with the cached tokens, as the
+    final usage reports them under `--enable-cache-report`)."""
+    prompt, completion = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
+    reasoning = int(meta.get("reasoning_tokens", 0) or 0)
+    details = None
+    if cached:
+        details = {"cached_tokens": int(meta.get("cached_tokens", 0))}  # its unset media counts are not written
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+             "prompt_tokens_details": details, "reasoning_tokens": reasoning,
+             "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
+    return {k: v for k, v in usage.items() if v is not None} if exclude_none else usage
+
+
+def _stream_options(body: dict, settings: ServingSettings) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) as SGLang's `should_include_usage` reads the request."""
+    options = body.get("stream_options") or None
+    if options:
+        return bool(options.get("include_usage")) or settings.default_include_usage, \
+            bool(options.get("continuous_usage_stats"))
+    return settings.default_include_usage, False
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChatView:
+    """Native chunks in, OpenAI chat completion chunks and the final object out, as `serving_chat` writes them for
+    one plain choice (no reasoning parser, no tools, no logprobs: the worker carries nothing else): a first chunk
+    with the assistant role and empty content, one chunk per non-empty text delta, the finish chunk after the last
+    one, then the usage chunk when asked for and `[DONE]`. A chunk's delta always holds `reasoning_content` (null),
+    as SGLang's msgspec chunk does."""
+
+    def __init__(self, body: dict, settings: ServingSettings, incremental: bool) -> None:
+        self.model = str(body.get("model") or "default")
+        self.settings, self.incremental = settings, incremental
+        self.include_usage, self.continuous_usage = _stream_options(body, settings)
+        self.created = int(time.time())
+        self.sent = 0
+        self.started = False
+        self.finish: dict | None = None
+        self.last_meta: dict = {}
+
+    def _chunk(self, delta: dict, meta: dict, finish: dict | None = None, usage: dict | None = None) -> bytes:
+        chunk = {"id": meta.get("id"), "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model,
+                 "choices": [{"index": 0, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
+                              "finish_reason": finish["type"] if finish else None,
+                              "matched_stop": finish.get("matched") if finish else None}]}
+        if usage is not None:
+            chunk["usage"] = usage
+        return _sse(chunk)
+
+    def stream_chunk(self, out: dict) -> bytes:
+        if "error" in out:
+            return b"data: " + json.dumps({"error": openai_error(out["error"])}).encode() + b"\n\n"
+        meta = out.get("meta_info") or {}
+        self.last_meta = meta
+        events = b""
+        if not self.started:
+            self.started = True
+            events += self._chunk({"role": "assistant", "content": ""}, meta)
+        text = out.get("text") or ""
+        if self.incremental:
+            delta = text
+        else:
+            delta, self.sent = text[self.sent:], len(text)
+        if delta:
+            usage = usage_of(meta, self.settings.enable_cache_report, False) if self.continuous_usage else None
+            events += self._chunk({"content": delta}, meta, usage=usage)
+        if meta.get("finish_reason"):
+            self.finish = meta["finish_reason"]
+        return events
+
+    def stream_end(self) -> bytes:
+        tail = b""
+        if self.finish is not None:
+            tail += self._chunk({}, self.last_meta, finish=self.finish)
+        if self.include_usage:
+            tail += _sse({"id": self.last_meta.get("id"), "object": "chat.completion.chunk", "created": self.created,
+                          "model": self.model, "choices": [],
+                          "usage": usage_of(self.last_meta, self.settings.enable_cache_report, False)})
+        return tail + b"data: [DONE]\n\n"
+
+    def response(self, out: dict) -> dict:
+        if "error" in out:
+            return openai_error(out["error"])
+        meta = out.get("meta_info") or {}
+        reason = meta.get("finish_reason") or None
+        return {"id": meta.get("id"), "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.get("text") or "",
+                                                     "reasoning_content": None},
+                             "logprobs": None, "finish_reason": reason["type"] if reason else None,
+                             "matched_stop": reason.get("matched") if reason else None}],
+                "usage": usage_of(meta, self.settings.enable_cache_report, False),
+                "metadata": {"weight_version": meta.get("weight_version"),
+                             **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}}

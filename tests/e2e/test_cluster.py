@@ -238,6 +238,55 @@ def test_openai_completion_moved_mid_generation_answers_as_the_worker_does(clust
     assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"], penalised.text
 
 
+def test_chat_completion_moved_mid_generation_answers_as_the_worker_does(cluster):
+    """A plain OpenAI chat completion naming an adapter is carried too, its native body built by a worker's own chat
+    route (template, tokenizer, defaults): moved with its KV mid-stream, its client gets the role chunk, the content
+    deltas, the finish chunk and the usage a worker's own /v1/chat/completions gives, without a gap. A chat request
+    the gateway's view could not write (two choices) is served by a worker's chat route, not carried."""
+    served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+    n = 40
+    body = {"model": f"{served}:caps", "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "You answer briefly."},
+                         {"role": "user", "content": "Chat move: name the planets of the solar system."}]}
+    before = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
+    direct = requests.post(cluster.worker_urls[0] + "/v1/chat/completions", json=body, timeout=300).json()
+    with requests.post(cluster.worker_urls[0] + "/v1/chat/completions", stream=True, timeout=300,
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        direct_chunks = list(sse(r))
+    chunks, moved, rid = [], None, "move-chat"
+    with requests.post(cluster.url + "/v1/chat/completions", stream=True, timeout=300, json={
+            **body, "rid": rid, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.text
+        for chunk in sse(r):
+            chunks.append(chunk)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            if moved is None and len(text) >= 8:
+                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
+                assert moved.status_code == 202, moved.text
+    assert moved is not None and all("error" not in c for c in chunks), chunks[-1:]
+    role, *content, finish, usage = chunks
+    assert role["choices"][0]["delta"] == direct_chunks[0]["choices"][0]["delta"] == {
+        "reasoning_content": None, "role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == direct["choices"][0]["message"]["content"]
+    assert finish == {**direct_chunks[-2], "id": finish["id"], "created": finish["created"]}  # the worker's own
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == direct["usage"]
+    assert {c["id"] for c in chunks} == {usage["id"]} and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all(set(c) == set(direct_chunks[1]) and set(c["choices"][0]) == set(direct_chunks[1]["choices"][0])
+               for c in content), (content[0], direct_chunks[1])
+    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert view["migrations"]["kv"] >= 1 and view["carried"] == 0
+    # not moved, not streamed: the worker's own answer but for its id and time
+    routed = requests.post(cluster.url + "/v1/chat/completions", json=body, timeout=300).json()
+    assert {k: v for k, v in routed.items() if k not in ("id", "created")} == \
+        {k: v for k, v in direct.items() if k not in ("id", "created")}
+    two = requests.post(cluster.url + "/v1/chat/completions", json={**body, "n": 2, "max_tokens": 4}, timeout=300)
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
+    after = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
+    assert after["carried"] - before["carried"] == 2, (before, after)
+    assert after["passed"].get("n > 1", 0) - before["passed"].get("n > 1", 0) == 1, (before, after)
+
+
 def test_bad_input_of_a_carried_request_gets_the_workers_error_and_status(cluster):
     """A prompt longer than the model's context, carried natively or as an OpenAI completion, streamed or not: the
     client gets the status and the error a worker itself answers (OpenAI's error object on the OpenAI route)."""

@@ -133,3 +133,62 @@ def test_incremental_workers_send_deltas_as_they_are():
     ours = {"error": {"message": "no worker", "type": "server_error", "code": 503, "retryable": True}}
     assert view.response(ours) == {"object": "error", "message": "no worker", "type": "server_error", "param": None,
                                    "code": 503}
+
+
+@pytest.mark.parametrize("settings", [PLAIN, ServingSettings(default_include_usage=True, enable_cache_report=True)])
+@pytest.mark.parametrize("options", [None, {"include_usage": True, "continuous_usage_stats": True}])
+def test_chat_view_writes_what_serving_chat_writes(settings, options):
+    """The role chunk, one chunk per non-empty delta, the finish chunk, the usage chunk: SGLang's own chunk builder
+    and models as the oracle (serving_chat's plain path: no reasoning parser, no tools, no logprobs)."""
+    from sgl_multilora.cluster.openai_view import ChatView
+
+    sse_utils = pytest.importorskip("sglang.srt.entrypoints.openai.sse_utils")
+    body = {"model": "m:caps", "messages": [], "stream": True, **({"stream_options": options} if options else {})}
+    view = ChatView(body, settings, incremental=False)
+    chunks = [native_chunk("Hel", 1, None), native_chunk("Hel", 2, None), native_chunk("Hello, w", 3, None),
+              native_chunk("Hello, w", 4, {"type": "stop", "matched": 2})]
+    events = b"".join(view.stream_chunk(c) for c in chunks) + view.stream_end()
+    got = [json.loads(e[6:]) for e in events.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert events.endswith(b"data: [DONE]\n\n")
+    cache = settings.enable_cache_report
+
+    def usage_at(native):
+        meta = native["meta_info"]
+        details = protocol.PromptTokensDetails(cached_tokens=4) if cache else None
+        return usage_processor.UsageProcessor.calculate_token_usage(
+            prompt_tokens=9, reasoning_tokens=0, completion_tokens=meta["completion_tokens"],
+            cached_tokens=details).model_dump()
+
+    continuous = bool(options)
+    expected = [sse_utils.build_sse_content(chunk_id="rid-1", created=view.created, model="m:caps", index=0,
+                                            role="assistant", content="", reasoning_content=None),
+                sse_utils.build_sse_content(chunk_id="rid-1", created=view.created, model="m:caps", index=0,
+                                            content="Hel", usage=usage_at(chunks[0]) if continuous else None),
+                sse_utils.build_sse_content(chunk_id="rid-1", created=view.created, model="m:caps", index=0,
+                                            content="lo, w", usage=usage_at(chunks[2]) if continuous else None),
+                sse_utils.build_sse_content(chunk_id="rid-1", created=view.created, model="m:caps", index=0,
+                                            finish_reason="stop", matched_stop=2)]
+    include_usage = bool(options) or settings.default_include_usage
+    if include_usage:
+        usage = usage_processor.UsageProcessor.calculate_streaming_usage(
+            {0: 9}, {0: 0}, {0: 4}, cached_tokens={0: 4}, n_choices=1, enable_cache_report=cache)
+        expected.append("data: " + protocol.ChatCompletionStreamResponse(
+            id="rid-1", created=view.created, choices=[], model="m:caps", usage=usage).model_dump_json() + "\n\n")
+    assert got == [json.loads(e[6:]) for e in expected]
+    final = view.response(chunks[-1])
+    usage = usage_processor.UsageProcessor.calculate_response_usage([chunks[-1]], n_choices=1,
+                                                                    enable_cache_report=cache)
+    expected = protocol.ChatCompletionResponse(
+        id="rid-1", created=final["created"], model="m:caps", usage=usage, metadata={"weight_version": "default"},
+        choices=[protocol.ChatCompletionResponseChoice(
+            index=0, message=protocol.ChatMessage(role="assistant", content="Hello, w"), finish_reason="stop",
+            matched_stop=2)])
+    assert final == json.loads(expected.model_dump_json(by_alias=True))
+    # deltas as they come from an incremental worker; an error as SGLang's OpenAI routes write it
+    view = ChatView({"model": "m", "messages": []}, PLAIN, incremental=True)
+    texts = [json.loads(e[6:])["choices"][0]["delta"].get("content")
+             for t in ("ab", "c") for e in view.stream_chunk(native_chunk(t, 1, None)).split(b"\n\n") if e]
+    assert texts == ["", "ab", "c"]
+    worker = {"error": {"message": "too long", "type": "invalid_request_error", "code": 400, "retryable": False}}
+    assert view.response(worker) == protocol.ErrorResponse(message="too long", type="BadRequestError",
+                                                           code=400).model_dump()
