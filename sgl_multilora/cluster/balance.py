@@ -12,7 +12,7 @@ deployment would stop: `workers_in_use` over time is the live counterpart of the
 the packer wants more instances than there are workers, the new instance shares the worker holding the fewest
 packed tokens and `overcommitted` counts it (KV may then overflow there, as it would under any policy). A request
 is packed by its KV tokens (prompt + output so far), against each worker's KV capacity times `fill`; requests the
-gateway does not carry (batches, OpenAI routes, input logprobs) are not seen, so `fill` leaves them room. Only
+gateway does not carry (batches, input logprobs, chats with tools, ...: openai_view.py) are not seen, so `fill` leaves them room. Only
 carried requests move; a move the packer plans for a request that has ended or is already moving is dropped (the
 packing is then ahead of the cluster until the request departs).
 """
