@@ -228,7 +228,8 @@ class CarriedRequest:
                 kind = "failover"
             else:
                 dst, self.move_to, kind = self.move_to, None, "recompute"
-            if self._left() <= 0:  # every token was out before the move took effect
+            left = self._left()
+            if left is not None and left <= 0:  # every token was out before the move took effect
                 await self._emit(self._final_without_move())
                 break
             if self.prompt_ids is None:
@@ -281,11 +282,14 @@ class CarriedRequest:
                 params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - len(self.done_ids))
         return body
 
-    def _left(self) -> int:
+    def _left(self) -> int | None:
+        """Tokens the request may still produce; None when it set no bound (`max_new_tokens` given as null, as a
+        chat completion without `max_tokens` has it: the worker then stops at the context length, which the
+        continued request, holding the output so far in its prompt, ends at too)."""
         params = self.body.get("sampling_params") or {}
-        total = params.get("max_new_tokens")
-        total = 128 if total is None else int(total)  # SGLang's default
-        return total - len(self.done_ids)
+        if "max_new_tokens" in params and params["max_new_tokens"] is None:
+            return None
+        return int(params.get("max_new_tokens", 128)) - len(self.done_ids)  # 128: SGLang's default when absent
 
     async def _segment(self) -> tuple[str, web.Response | None]:
         """'finished', 'moved', 'failed' (the worker is gone), or 'error' with the worker's 4xx answer."""
