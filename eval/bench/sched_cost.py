@@ -13,7 +13,7 @@ the thread's CPU time (on a shared machine wall time also counts preemption by o
 `add` and a forced refit (WRS normaliser, k-means for K = 1..4, quotas over the full window) are
 timed separately.
 
-Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000]
+Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000] [--overdue-s 2.5]
        [--out eval/results/sched_cost.jsonl]
 """
 
@@ -23,6 +23,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -95,7 +96,8 @@ def summary_us(ns: list[int]) -> dict[str, float]:
 
 
 def run(args) -> dict:
-    cfg = SchedConfig(total_tokens=args.total_tokens, ttft_slo_s=5.0)
+    cfg = SchedConfig(total_tokens=args.total_tokens, ttft_slo_s=5.0,
+                      overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf)
     sched = MultiQueueScheduler(cfg)
     work, cache = Workload(args), AdapterCache(args.resident, args.load_iters)
     true_out: dict[str, int] = {}
@@ -169,6 +171,8 @@ def main(argv=None) -> None:
     parser.add_argument("--finish-prob", type=float, default=0.05)
     parser.add_argument("--dt-s", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overdue-s", type=float, default=0.0,
+                        help="SchedConfig.overdue_s (--multilora-overdue-s); 0: off")
     parser.add_argument("--out", type=Path, default=Path("eval/results/sched_cost.jsonl"))
     args = parser.parse_args(argv)
 
