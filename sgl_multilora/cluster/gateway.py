@@ -198,7 +198,7 @@ class Gateway(MovesMixin):
                         view = CompletionView({**body, "model": client_model}, self.serving, self.incremental)
                         return await self._carry(request, native, adapter, prompt, worker, view)
                 if request.path == "/v1/chat/completions":
-                    native = await self.chat_as_native(body, worker)
+                    native = await self.chat_as_native(body, worker, request.headers.get("Authorization"))
                     if native is not None:
                         view = ChatView({**body, "model": client_model}, self.serving, self.incremental)
                         return await self._carry(request, native, adapter, prompt, worker, view)
@@ -213,11 +213,13 @@ class Gateway(MovesMixin):
             if worker is not None:
                 self.in_flight[worker] -= 1
 
-    async def chat_as_native(self, body: dict, worker: int) -> dict | None:
+    async def chat_as_native(self, body: dict, worker: int, authorization: str | None = None) -> dict | None:
         """The native body `worker`'s own chat route would run for `body` (patches/chat_native.py), or None when the
-        worker says the request cannot be carried, or cannot say: it then goes to smg as before."""
+        worker says the request cannot be carried, or cannot say: it then goes to smg as before. The client's
+        `Authorization` goes along, as it does to smg (workers started with `--api-key` want it)."""
+        headers = {"Authorization": authorization} if authorization else None
         try:
-            async with self.session.post(self.worker_urls[worker] + CHAT_NATIVE_ROUTE, json=body,
+            async with self.session.post(self.worker_urls[worker] + CHAT_NATIVE_ROUTE, json=body, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
                 answer = await r.json() if r.status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError):
