@@ -8,6 +8,8 @@ up (idle ones sleep); each repeat replays the workload at every rate on every ar
 repeat, each replay on a flushed cache. Per arm and rate: TTFT mean / P50 / P99 and the share of requests within
 the TTFT SLO (median and spread over repeats); ratios multiqueue / fcfs per repeat.
 
+A fourth arm runs multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first).
+
 Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
            [--out eval/results/multiqueue_live.jsonl]
 """
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
     args = parser.parse_args()
+    arms = {**ARMS, "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"]}
 
     from sgl_multilora.embedded import ensure_embedded_model
 
@@ -74,20 +77,20 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
-        for name, extra in ARMS.items():
+        for name, extra in arms.items():
             servers[name] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *common, *extra],
                                    log_path=log_dir / f"multiqueue_live_{name}.log")
         served = [ServedAdapter(a.name) for a in workload.adapters]
         scales = [float(s) for s in args.time_scales.split(",")]
         setup = {"workload": "heterogeneous", "params": params, "num_requests": len(workload.requests),
                  "pool_tokens": args.pool_tokens, "slo_s": args.slo_s, "time_scales": scales,
-                 "repeats": args.repeats, "seed": args.seed, "arms": ARMS, "max_lora_rank": max_rank,
+                 "repeats": args.repeats, "seed": args.seed, "arms": arms, "max_lora_rank": max_rank,
                  "offered_rate": workload.offered_rate}
         device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                   "load_avg_start": list(os.getloadavg())}
         raw = args.out.with_name(args.out.stem + "_requests.jsonl")
         raw.unlink(missing_ok=True)
-        runs, names = [], list(ARMS)
+        runs, names = [], list(arms)
         with tqdm(total=args.repeats * len(scales) * len(names), desc="replays") as bar:
             for rep in range(args.repeats):
                 order = names[rep % len(names):] + names[:rep % len(names)]
@@ -134,18 +137,19 @@ def report(record: dict) -> str:
                 f"({min(r['p50_ttft_s'] for r in rs):.2f}-{max(r['p50_ttft_s'] for r in rs):.2f}) | "
                 f"{med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-{max(r['p99_ttft_s'] for r in rs):.2f})"
                 f" | {med('within_slo'):.2f} | {sum(r['num_failed'] for r in rs)} |")
-    lines += ["", "Ratios multiqueue / fcfs per repeat (median, min-max):", ""]
-    for scale in s["time_scales"]:
-        ratios = {"P50": [], "P99": []}
-        for rep in range(s["repeats"]):
-            m = [r for r in runs if r["arm"] == "multiqueue" and r["repeat"] == rep and r["time_scale"] == scale]
-            f = [r for r in runs if r["arm"] == "fcfs" and r["repeat"] == rep and r["time_scale"] == scale]
-            if m and f and m[0].get("num_ok") and f[0].get("num_ok"):
-                ratios["P50"].append(m[0]["p50_ttft_s"] / f[0]["p50_ttft_s"])
-                ratios["P99"].append(m[0]["p99_ttft_s"] / f[0]["p99_ttft_s"])
-        if ratios["P50"]:
-            lines.append("- time scale {:g}: ".format(scale) + ", ".join(
-                f"{k} TTFT {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()))
+    for ours in [a for a in s["arms"] if a.startswith("multiqueue")]:
+        lines += ["", f"Ratios {ours} / fcfs per repeat (median, min-max):", ""]
+        for scale in s["time_scales"]:
+            ratios = {"P50": [], "P99": []}
+            for rep in range(s["repeats"]):
+                m = [r for r in runs if r["arm"] == ours and r["repeat"] == rep and r["time_scale"] == scale]
+                f = [r for r in runs if r["arm"] == "fcfs" and r["repeat"] == rep and r["time_scale"] == scale]
+                if m and f and m[0].get("num_ok") and f[0].get("num_ok"):
+                    ratios["P50"].append(m[0]["p50_ttft_s"] / f[0]["p50_ttft_s"])
+                    ratios["P99"].append(m[0]["p99_ttft_s"] / f[0]["p99_ttft_s"])
+            if ratios["P50"]:
+                lines.append("- time scale {:g}: ".format(scale) + ", ".join(
+                    f"{k} TTFT {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()))
     return "\n".join(lines) + "\n"
 
 
