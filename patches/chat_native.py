@@ -100,7 +100,7 @@ def add_routes(*args, **kwargs):
             if chat._validate_request(request):
                 return {"native": None, "reason": "invalid request"}
             adapted, request = chat._convert_to_internal_request(request, None)
+            body, reason = native_body(adapted, request)
         except Exception as e:  # the chat route answers it with its own error
-            return {"native": None, "reason": f"invalid request: {e}"}
-        body, reason = native_body(adapted, request)
+            return {"native": None, "reason": f"not converted: {type(e).__name__}: {e}"}
         return {"native": body, "reason": reason}

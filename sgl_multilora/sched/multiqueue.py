@@ -10,9 +10,10 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   first, oldest first across queues, each charged to its own queue whatever its quota. If the
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
   overdue requests), so no request waits more than `overdue_s` plus the FCFS wait of the overdue
-  requests ahead of it. Ordering by size alone moves the tail onto large requests (at the knee of
-  eval/results/sim_chameleon.md, P99 TTFT over twice fcfs's); this bounds it, and past the knee,
-  where most requests are overdue, gives FCFS order back.
+  requests ahead of it (one larger than any budget goes in once nothing runs). Ordering by size
+  alone moves the tail onto large requests (at the knee of eval/results/sim_chameleon.md, P99
+  TTFT over twice fcfs's); this bounds it, and past the knee, where most requests are overdue,
+  gives FCFS order back.
 - Phase 1: queues in ascending WRS order admit FIFO up to their available quota (quota minus the
   tokens their running requests hold).
 - Phase 2: queues left empty lend their unused quota; non-empty queues, smallest first, admit
@@ -179,7 +180,9 @@ class MultiQueueScheduler:
         resident is passed over (its adapter prefetched), at most `lookahead` of them. True when
         the oldest resident overdue request does not fit the budget: the batch then takes nothing
         else, so that the room freed by finishing requests goes to it rather than to younger
-        requests (the FCFS hold, for overdue requests only)."""
+        requests (the FCFS hold, for overdue requests only). The hold lasts until it fits or
+        nothing runs: a request whose cost (its predicted output counted) exceeds every budget the
+        engine can offer then goes in alone and the engine decides, so the hold cannot stall."""
         if math.isinf(self.config.overdue_s):
             return False
         limit = ctx.now - self.config.overdue_s
@@ -200,8 +203,8 @@ class MultiQueueScheduler:
                 if passed > self.config.lookahead:
                     return False
                 continue
-            if ctx.budget is not None and r.cost_tokens > ctx.budget:
-                return True
+            if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
+                return True  # nothing running and still too big: it goes in, the engine has all it will have
             r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
             if ctx.budget is not None:
                 ctx.budget -= r.cost_tokens

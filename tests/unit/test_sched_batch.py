@@ -291,3 +291,17 @@ def test_without_overdue_s_nobody_is_ever_overdue():
     s = overdue_scheduler()
     assert rids(s.build_batch(10_000.0, budget_tokens=10_000)) == []  # l2 waits for l1's quota, however long
     assert s.counts["overdue"] == 0
+
+
+def test_an_overdue_request_larger_than_any_budget_goes_in_once_nothing_runs():
+    """The hold must not stall the server: a request whose cost exceeds every budget the engine offers (its predicted
+    output counted) holds back younger ones while anything runs, then goes in alone and the engine decides."""
+    s = make([300, 800, 1000], overdue_s=5.0)
+    add_all(s, req("s1", 100, arrival=0.0), req("big", 1000, arrival=0.0))
+    assert rids(s.build_batch(0.0, budget_tokens=500)) == ["s1"]  # big: over the budget, not overdue yet
+    add_all(s, req("s2", 100, arrival=6.0))
+    assert rids(s.build_batch(6.0, budget_tokens=500)) == []  # big is overdue and s1 runs: hold
+    s.on_finish("s1", 7.0)
+    assert rids(s.build_batch(7.0, budget_tokens=500)) == ["big"]  # nothing runs: it goes in alone
+    assert rids(s.build_batch(7.5, budget_tokens=500)) == ["s2"]  # s2 (not overdue) fits the small queue
+    s.check_invariants()
