@@ -156,8 +156,7 @@ class CompletionView:
         reason = meta.get("finish_reason") or None
         chunk = {"id": meta.get("id"), "object": "text_completion", "created": self.created, "model": self.model,
                  "choices": [{"index": 0, "text": delta, "logprobs": None,
-                              "finish_reason": reason["type"] if reason else None,
-                              "matched_stop": reason.get("matched") if reason else None}],
+                              **finish_fields(reason)}],
                  "usage": self._usage(meta, cached=False, exclude_none=False) if self.continuous_usage else None}
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
 
@@ -179,11 +178,9 @@ class CompletionView:
         reason = meta.get("finish_reason") or None
         return {"id": meta.get("id"), "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": out.get("text") or "", "logprobs": None,
-                             "finish_reason": reason["type"] if reason else None,
-                             "matched_stop": reason.get("matched") if reason else None}],
+                             **finish_fields(reason)}],
                 "usage": self._usage(meta, cached=self.settings.enable_cache_report, exclude_none=False),
-                "metadata": {"weight_version": meta.get("weight_version"),
-                             **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}}
+                "metadata": metadata_of(meta)}
 
     def _usage(self, meta: dict, cached: bool, exclude_none: bool) -> dict:
         return usage_of(meta, cached, exclude_none)
@@ -201,6 +198,18 @@ def usage_of(meta: dict, cached: bool, exclude_none: bool) -> dict:
              "prompt_tokens_details": details, "reasoning_tokens": reasoning,
              "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None}
     return {k: v for k, v in usage.items() if v is not None} if exclude_none else usage
+
+
+def finish_fields(reason: dict | None) -> dict:
+    """A choice's `finish_reason` and `matched_stop` from a native finish reason (None while it runs)."""
+    return {"finish_reason": reason["type"] if reason else None,
+            "matched_stop": reason.get("matched") if reason else None}
+
+
+def metadata_of(meta: dict) -> dict:
+    """A final answer's `metadata`, as `build_endpoint_weight_version_metadata` writes it."""
+    return {"weight_version": meta.get("weight_version"),
+            **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}
 
 
 def _stream_options(body: dict, settings: ServingSettings) -> tuple[bool, bool]:
@@ -237,8 +246,7 @@ class ChatView:
         chunk = {"id": meta.get("id"), "object": "chat.completion.chunk", "created": self.created,
                  "model": self.model,
                  "choices": [{"index": 0, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
-                              "finish_reason": finish["type"] if finish else None,
-                              "matched_stop": finish.get("matched") if finish else None}]}
+                              **finish_fields(finish)}]}
         if usage is not None:
             chunk["usage"] = usage
         return _sse(chunk)
@@ -282,8 +290,6 @@ class ChatView:
         return {"id": meta.get("id"), "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.get("text") or "",
                                                      "reasoning_content": None},
-                             "logprobs": None, "finish_reason": reason["type"] if reason else None,
-                             "matched_stop": reason.get("matched") if reason else None}],
+                             "logprobs": None, **finish_fields(reason)}],
                 "usage": usage_of(meta, self.settings.enable_cache_report, False),
-                "metadata": {"weight_version": meta.get("weight_version"),
-                             **({"weight_versions": meta["weight_versions"]} if "weight_versions" in meta else {})}}
+                "metadata": metadata_of(meta)}
