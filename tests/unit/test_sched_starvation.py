@@ -41,17 +41,26 @@ def sizes_for(pattern: str, it: int, data) -> list[int]:
     return draw(st.lists(st.integers(TINY[0], LARGE[1]), max_size=4))
 
 
-def make(plan, max_budget_skips=SKIPS) -> MultiQueueScheduler:
+def make(plan, max_budget_skips=SKIPS, **kw) -> MultiQueueScheduler:
     cutoffs, quotas = plan
     cfg = SchedConfig(total_tokens=sum(quotas), requeue_s=math.inf,
-                      initial_norm=WrsNormalizer(1000, 1000, 8), max_budget_skips=max_budget_skips)
+                      initial_norm=WrsNormalizer(1000, 1000, 8), max_budget_skips=max_budget_skips, **kw)
     s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
     s.set_plan(cutoffs, quotas)
     return s
 
 
-def request(rid: str, size: int, adapter: str = "a") -> SchedRequest:
-    return SchedRequest(rid, adapter, in_len=size // 2, rank=8, max_new_tokens=size - size // 2)
+def request(rid: str, size: int, adapter: str = "a", arrival: float = 0.0) -> SchedRequest:
+    return SchedRequest(rid, adapter, in_len=size // 2, rank=8, max_new_tokens=size - size // 2, arrival=arrival)
+
+
+def step(s: MultiQueueScheduler, it: int, finish_at: dict[str, int], sizes: list[int]) -> None:
+    """Batch `it` of a driven run, before building it: the requests due finish, then `sizes` arrive."""
+    for rid in [rid for rid, t in finish_at.items() if t == it]:
+        s.on_finish(rid, float(it))
+        del finish_at[rid]
+    for j, size in enumerate(sizes):
+        s.add(request(f"{it}.{j}", size, arrival=float(it)))
 
 
 @settings(max_examples=30, deadline=None)
@@ -70,11 +79,7 @@ def test_head_with_free_quota_is_admitted_within_the_bound(pattern, plan, durati
     finish_at: dict[str, int] = {}
     num_admitted = 0
     for it in range(NUM_ITERS):
-        for rid in [rid for rid, t in finish_at.items() if t == it]:
-            s.on_finish(rid, float(it))
-            del finish_at[rid]
-        for j, size in enumerate(sizes_for(pattern, it, data)):
-            s.add(request(f"{it}.{j}", size))
+        step(s, it, finish_at, sizes_for(pattern, it, data))
         for q in range(k):
             head = s.queues.head(q)
             if head and (s.ledger.available(q) >= head.cost_tokens or s.ledger.held[q] == 0):
@@ -179,23 +184,13 @@ def test_with_overdue_s_every_wait_is_bounded_by_the_overdue_requests_ahead(patt
     requests still queued then (each batch takes at least the oldest overdue request when every budget covers the
     largest cost), and in the batch it becomes overdue when there is no budget: whatever the quotas and however
     long the running requests hold them."""
-    cutoffs, quotas = plan
-    cfg = SchedConfig(total_tokens=sum(quotas), requeue_s=math.inf, initial_norm=WrsNormalizer(1000, 1000, 8),
-                      max_budget_skips=SKIPS, overdue_s=OVERDUE_S)
-    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
-    s.set_plan(cutoffs, quotas)
+    s = make(plan, overdue_s=OVERDUE_S)
     budget = None if budget_slack is None else C_MAX + budget_slack
     deadline: dict[str, int] = {}  # rid -> the batch by which it must be admitted
     finish_at: dict[str, int] = {}
     num_admitted = 0
     for it in range(NUM_ITERS):
-        for rid in [rid for rid, t in finish_at.items() if t == it]:
-            s.on_finish(rid, float(it))
-            del finish_at[rid]
-        for j, size in enumerate(sizes_for(pattern, it, data)):
-            r = request(f"{it}.{j}", size)
-            r.arrival = float(it)
-            s.add(r)
+        step(s, it, finish_at, sizes_for(pattern, it, data))
         queued = sorted((r for q in range(s.queues.num_queues) for r in s.queues.scan(q)), key=lambda r: r.seq)
         for n, r in enumerate(x for x in queued if it - x.arrival >= OVERDUE_S):
             deadline.setdefault(r.rid, it + (0 if budget is None else n))
