@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB; anything past this is not one
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30  # rank-64 adapters on every projection of a 70B model are about 1.7 GB
 
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
 _WEIGHT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.default)?\.weight$")
+_LORA_SUFFIX = re.compile(r"\.lora_[AB](?:\.default)?\.weight$")
 
 
 class AdapterError(ValueError):
@@ -138,10 +140,20 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise _fail(name, f"'lora_alpha' must be a positive number, got {alpha!r}")
     targets = config.get("target_modules")
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
-        raise _fail(name, f"'target_modules' must be a non-empty list of module names, got {targets!r}")
+    if isinstance(targets, str) and targets:
+        # PEFT's pattern form (a regex over module paths, or "all-linear" left unresolved): what it matched is
+        # exactly what the weight file holds, so the modules are read from there.
+        config = {**config, "target_modules": _resolve_pattern(name, path, targets)}
+    elif not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise _fail(name, f"'target_modules' must be a non-empty list of module names or a pattern, got {targets!r}")
     if config.get("use_dora"):
         raise _fail(name, "DoRA adapters are not supported")
+    bias = config.get("bias", "none")
+    if bias not in ("none", None):
+        raise _fail(name, f"LoRA bias terms ('bias': {bias!r}) are not supported; only 'none'")
+    if config.get("modules_to_save"):
+        raise _fail(name, f"'modules_to_save' {config['modules_to_save']!r} is not supported (fully trained "
+                          f"modules replace the base model's for this adapter only); only lora_A / lora_B weights")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _fail(name, f"per-module '{key}' is not supported")
@@ -151,6 +163,50 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     ):
         raise _fail(name, f"'alora_invocation_tokens' must be a non-empty list of token ids, got {invocation!r}")
     return config
+
+
+def _weight_keys(path: str | os.PathLike) -> list[str]:
+    """The tensor names in `path`'s weight file, from the safetensors header alone (no tensor data); empty when the
+    file is not a readable safetensors file (`load_adapter` then says so)."""
+    try:
+        with open(Path(path) / WEIGHTS_FILE, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_SAFETENSORS_HEADER:
+                return []
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):  # also JSONDecodeError, UnicodeDecodeError
+        return []
+    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+
+
+def weight_modules(path: str | os.PathLike) -> tuple[str, ...]:
+    """The module names (sorted) that `path`'s weight file holds per-layer LoRA weights for (header only)."""
+    return tuple(sorted({m.group(2) for k in _weight_keys(path) if (m := _WEIGHT_KEY.search(k)) is not None}))
+
+
+def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
+    """PEFT's string `target_modules`: a regex that must match each targeted module's whole path (PEFT's
+    `re.fullmatch`), or "all-linear". Returns the module names the weights hold; raises AdapterError when there are
+    none, the regex is invalid, or some weight's module is not one the pattern selects."""
+    modules, paths = set(), set()
+    for key in _weight_keys(path):
+        m = _WEIGHT_KEY.search(key)
+        if m is not None:
+            modules.add(m.group(2))
+            paths.add(_LORA_SUFFIX.sub("", key).removeprefix("base_model.model."))
+    if not modules:
+        raise _fail(name, f"'target_modules' is the pattern {pattern!r} and {WEIGHTS_FILE} holds no per-layer "
+                          f"lora_A / lora_B weights to resolve it")
+    if pattern != "all-linear":
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise _fail(name, f"'target_modules' {pattern!r} is not a valid regular expression ({e})") from None
+        stray = sorted(p for p in paths if regex.fullmatch(p) is None)
+        if stray:
+            raise _fail(name, f"'target_modules' pattern {pattern!r} does not select {stray[0]!r}, which "
+                              f"{WEIGHTS_FILE} holds LoRA weights for")
+    return sorted(modules)
 
 
 def content_identity(path: str | os.PathLike, config: dict) -> str:

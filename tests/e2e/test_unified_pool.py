@@ -1,7 +1,8 @@
 """End to end: adapter weights and KV in one pool (`--multilora-memory unified`, the default of the tree backend).
 
-24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs)
-on a server whose pool holds about a third of their weights plus some KV. Concurrent base, LoRA and aLoRA traffic
+24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs;
+some in PEFT's other layouts: `q_proj` alone, k/v without q, a regex `target_modules`, `layers_to_transform`,
+rsLoRA scaling, a fractional alpha) on a server whose pool holds about a third of their weights plus some KV. Concurrent base, LoRA and aLoRA traffic
 over all of them, twice in different orders: adapters are evicted and copied back into KV slots while the tree
 evicts KV, and every output must equal PEFT's (tokens and logprobs). The server runs in test mode: the tree's and
 the pool's invariants after every step (`--multilora-check-invariants`: free + adapter + cached + running KV ==
@@ -34,6 +35,15 @@ PROMPT_WORDS = 40
 # SmolLM2-135M: a slot (one token's K and V over 30 layers) holds 46,080 B. The 24 adapters take about 12.7k
 # slots; the pool holds a third of that plus room for the KV of a few running requests.
 POOL_SLOTS = 6000
+# Adapters in PEFT's other layouts (by index; the rest use TARGETS), loaded at start-up through SGLang's own reading
+# of the directory as well as ours: SGLang stacks q/k/v and once failed on any of them missing.
+VARIANTS = {
+    0: {"target_modules": ["q_proj"]},
+    4: {"target_modules": r".*\.(q_proj|v_proj|up_proj)"},  # PEFT saves a regex as a string
+    5: {"target_modules": ["k_proj", "v_proj", "gate_proj"], "use_rslora": True},  # an aLoRA
+    8: {"layers_to_transform": list(range(0, 30, 3)), "lora_alpha": 12.5},
+    12: {"target_modules": ["q_proj", "k_proj", "down_proj"], "use_rslora": True},
+}
 
 
 def _make_adapters(model_path: str, tokenizer, root) -> list[dict]:
@@ -47,8 +57,9 @@ def _make_adapters(model_path: str, tokenizer, root) -> list[dict]:
     for i in range(NUM_ADAPTERS):
         rank, targets, alora = RANKS[i % 4], TARGETS[(i // 4) % 3], i % 4 == 1
         torch.manual_seed(100 + i)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, task_type="CAUSAL_LM",
-                            target_modules=targets, alora_invocation_tokens=invocation if alora else None)
+        kwargs = {"r": rank, "lora_alpha": 2 * rank, "target_modules": targets, **VARIANTS.get(i, {})}
+        config = LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM",
+                            alora_invocation_tokens=invocation if alora else None, **kwargs)
         model = get_peft_model(base, config)
         with torch.no_grad():  # random weights of a scale that moves greedy outputs without breaking the model
             for name, p in model.named_parameters():
@@ -139,3 +150,45 @@ def test_an_adapter_larger_than_the_pool_is_refused_with_both_sizes(server, mode
     # The server still serves, and the refused adapter left nothing behind.
     assert generate(server, None, tokenizer("Hello", add_special_tokens=False).input_ids, NEW_TOKENS)["meta_info"]
     assert "huge" not in memory(server)["adapters"]["host"]
+
+
+def _save_peft(model_path: str, root, name: str, **config) -> str:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **config))
+    model.save_pretrained(str(root / name))
+    return str(root / name)
+
+
+def _load(server, name: str, path: str) -> requests.Response:
+    return requests.post(server.url + "/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=120)
+
+
+def test_adapters_with_parts_no_lora_layer_holds_are_refused_by_name(server, model_path, tokenizer, tmp_path):
+    bias = _save_peft(model_path, tmp_path, "with_bias", r=8, target_modules=["q_proj", "v_proj"], bias="lora_only")
+    saved = _save_peft(model_path, tmp_path, "with_head", r=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    for name, path, says in [("with_bias", bias, "'bias': 'lora_only'"), ("with_head", saved, "'modules_to_save'")]:
+        res = _load(server, name, path)
+        assert res.status_code == 400, res.text
+        assert f"LoRA adapter '{name}'" in res.text and says in res.text, res.text
+        assert name not in memory(server)["adapters"]["host"]
+    assert generate(server, None, tokenizer("Hello", add_special_tokens=False).input_ids, NEW_TOKENS)["meta_info"]
+
+
+def test_an_adapter_on_q_proj_alone_loads_at_run_time_and_matches_peft(server, model_path, tokenizer, oracle,
+                                                                        tmp_path):
+    path = _save_peft(model_path, tmp_path, "q_only", r=16, lora_alpha=64, target_modules=["q_proj"])
+    res = _load(server, "q_only", path)
+    assert res.status_code == 200, res.text
+    try:
+        ids = _prompt(tokenizer, random.Random(5), sorted(w for w in tokenizer.get_vocab() if w.isalpha()), False)
+        expected = oracle.greedy(path, ids, NEW_TOKENS, ignore_eos=True)
+        base = oracle.greedy(None, ids, NEW_TOKENS, ignore_eos=True)
+        assert max(abs(a - b) for a, b in zip(expected.logprobs, base.logprobs)) > 1e-2, "the adapter changes nothing"
+        assert_matches(generate(server, "q_only", ids, NEW_TOKENS), expected, "q_proj-only adapter loaded at run time")
+    finally:
+        assert requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "q_only"}, timeout=60).ok

@@ -61,6 +61,23 @@ def test_identity_is_content_not_name(tmp_path):
     assert changed_weights.identity != a.identity
 
 
+def _set_config(path, **fields):
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize("pattern", [r".*\.(q_proj|v_proj)", r"model\.layers\.\d+\.self_attn\.[qv]_proj", "all-linear"])
+def test_a_pattern_target_modules_is_resolved_from_the_weights(tmp_path, pattern):
+    """PEFT writes a regex `target_modules` as a string; the modules are the ones the pattern selected."""
+    path = write_adapter(tmp_path / "a")
+    reference = load_adapter(path, SHAPE)
+    _set_config(path, target_modules=pattern)
+    adapter = load_adapter(path, SHAPE)
+    assert adapter.spec.target_modules == ("q_proj", "v_proj")
+    assert sorted(adapter.weights) == sorted(reference.weights)
+    assert adapter.spec.identity == reference.spec.identity  # the same modules and weights: the same adapter
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -72,6 +89,11 @@ def test_identity_is_content_not_name(tmp_path):
         (lambda p: (p / "adapter_config.json").write_text(
             '{"peft_type": "IA3", "r": 2, "target_modules": ["q_proj"]}'), "peft_type 'IA3'"),
         (lambda p: (p / "adapter_model.safetensors").write_bytes(b"garbage"), "is not a readable safetensors file"),
+        (lambda p: _set_config(p, bias="all"), "LoRA bias terms ('bias': 'all') are not supported"),
+        (lambda p: _set_config(p, modules_to_save=["lm_head"]), "'modules_to_save' ['lm_head'] is not supported"),
+        (lambda p: _set_config(p, target_modules=r".*\.q_proj"),
+         r"pattern '.*\\.q_proj' does not select 'model.layers.0.self_attn.v_proj'"),
+        (lambda p: _set_config(p, target_modules="(q_proj"), "is not a valid regular expression"),
     ],
 )
 def test_malformed_adapter_names_the_problem(tmp_path, mutate, message):
