@@ -43,9 +43,9 @@ ARMS = ("stay", *MOVES)
 
 
 def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: str,
-            move_after: int | None, kind: str | None = None) -> dict:
-    """Streams one request; with `move_after`, moves it (by `kind`) once that many tokens are out. Times per
-    chunk."""
+            move_after: int | None, kind: str | None = None, admin: dict[str, str] | None = None) -> dict:
+    """Streams one request; with `move_after`, moves it (by `kind`; `admin`: the headers `/cluster/migrate` wants)
+    once that many tokens are out. Times per chunk."""
     body = {"input_ids": ids, "lora_path": lora, "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
     sent = time.perf_counter()
@@ -62,7 +62,8 @@ def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: st
             counts.append(len(chunk["output_ids"]))
             final = chunk
             if move_after is not None and moved_at is None and counts[-1] >= move_after:
-                res = requests.post(url + "/cluster/migrate", json={"rid": rid, "kind": kind}, timeout=60)
+                res = requests.post(url + "/cluster/migrate", json={"rid": rid, "kind": kind}, headers=admin,
+                                    timeout=60)
                 res.raise_for_status()
                 moved_at = len(times) - 1
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -115,7 +116,8 @@ def main(argv=None) -> None:
             out = {}
             for arm in order:
                 out[arm] = run_one(cluster.url, prompts[arm], lora, args.new_tokens, f"{arm}-{tag}",
-                                   None if arm == "stay" else args.move_after, None if arm == "stay" else arm)
+                                   None if arm == "stay" else args.move_after, None if arm == "stay" else arm,
+                                   cluster.admin_headers)
             row = {"repeat": rep, "length": length, "adapter": lora or "base", "load_avg": os.getloadavg()[0]}
             for arm in MOVES:
                 # the moved request's tokens against the same prompt left in place (its prefix is cached by now,

@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             for url in cluster.worker_urls:
                 print(f"worker  {url}")
             if cluster.admin_key_file is not None:
-                print(f"the workers' admin API key (for their admin routes) is in {cluster.admin_key_file}")
+                print(f"the workers' admin API key (for their admin routes and /cluster/migrate) is in "
+                      f"{cluster.admin_key_file}")
+            if cluster.api_key:
+                print("every route but the probes wants the workers' --api-key (Authorization: Bearer <key>)")
             print("Ctrl-C stops the cluster", flush=True)
             restarts = [0] * len(cluster.workers)
             while True:

@@ -24,6 +24,11 @@ model id only); workers report no adapter residency. Its header routing is the e
 decision is ours and the transport smg's. OpenAI requests naming an adapter are passed to smg as the base model
 with SGLang's `lora_path` field, which the workers honour.
 
+Keys, as a worker started with them has them (SGLang's convention): with the workers' `--api-key` (the launcher
+passes it in `SGL_MULTILORA_API_KEY`) every route but `/health*`, `/ready*` and `/metrics*` wants it as
+`Authorization: Bearer <key>` (401 otherwise) and the gateway presents it on its own calls to smg and the workers;
+`/cluster/migrate`, which moves other clients' requests, wants the workers' admin key when there is one.
+
 `X-SMG-Target-Worker` is an index into smg's own worker order, which is not `--worker-urls`' order and differs
 between `/generate` (no model named) and the OpenAI routes (the served model's workers): the gateway learns both at
 start (one probe per index, reading smg's `x-smg-routed-worker-id` answer header) and again whenever an answer comes
@@ -37,6 +42,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import time
 from collections import Counter
 
@@ -45,7 +51,7 @@ from aiohttp import web
 
 from sgl_multilora.cluster.balance import LiveBalancer
 from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
-from sgl_multilora.cluster.launch import ADMIN_KEY_ENV
+from sgl_multilora.cluster.launch import ADMIN_KEY_ENV, API_KEY_ENV
 from sgl_multilora.cluster.moves import (
     INITIAL_LINK_BYTES_PER_S,
     MIGRATION_KINDS,
@@ -58,6 +64,8 @@ from sgl_multilora.cluster.placement import NoWorkerError, Placement
 logger = logging.getLogger("sgl_multilora.cluster.gateway")
 CHAT_NATIVE_ROUTE = "/multilora/chat/native"  # patches/chat_native.py (the gateway imports no SGLang)
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes: open whatever keys are set, as on SGLang's servers
+ADMIN_PATHS = ("/cluster/migrate",)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 
 
@@ -91,7 +99,7 @@ def adapter_and_prompt(path: str, body: dict) -> tuple[str | None, str, dict]:
 
 class Gateway(MovesMixin):
     def __init__(self, router_url: str, worker_urls: list[str], placement: Placement, *, migration: str = "auto",
-                 admin_key: str | None = None, balancer: LiveBalancer | None = None,
+                 admin_key: str | None = None, api_key: str | None = None, balancer: LiveBalancer | None = None,
                  balance_epoch_s: float = 0.4) -> None:
         if migration not in MIGRATION_KINDS:
             raise ValueError(f"migration must be one of {', '.join(MIGRATION_KINDS)}, got {migration!r}")
@@ -105,7 +113,7 @@ class Gateway(MovesMixin):
         self.serving = ServingSettings()  # what the workers' OpenAI route reads from their arguments
         self.carried: dict[str, CarriedRequest] = {}  # rid -> a single-prompt /generate request in flight
         self.migrations: dict[str, int] = {"kv": 0, "recompute": 0, "failover": 0}
-        self.migration, self.admin_key = migration, admin_key
+        self.migration, self.admin_key, self.api_key = migration, admin_key, api_key
         self.link_bytes_per_s = INITIAL_LINK_BYTES_PER_S  # measured over KV transfers
         self.memory_reads: dict[int, tuple[float, asyncio.Future]] = {}  # worker -> its last /multilora/stats read
         self.clock = time.monotonic
@@ -119,7 +127,8 @@ class Gateway(MovesMixin):
         self.chat_passed: Counter[str] = Counter()  # chat completions passed to smg, by the worker's reason
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                             headers=_bearer(self.api_key))
         await self.learn_order()
         await self.learn_alora()
         async with self.session.get(self.worker_urls[0] + "/get_server_info") as r:
@@ -279,8 +288,39 @@ class Gateway(MovesMixin):
                                   "down_events": self.down_events, "workers": list(workers)})
 
 
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def required_key(path: str, api_key: str | None, admin_key: str | None) -> str | None:
+    """The key a request for `path` must present, or None (open): probes are open; the admin paths want the admin
+    key, or the API key when there is no admin key; every other path the API key."""
+    if path.startswith(OPEN_PATHS):
+        return None
+    if path in ADMIN_PATHS and admin_key:
+        return admin_key
+    return api_key
+
+
+def presents(authorization: str | None, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
+def auth_middleware(gateway: Gateway):
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        key = required_key(request.path, gateway.api_key, gateway.admin_key)
+        if key is not None and not presents(request.headers.get("Authorization"), key):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check_key
+
+
 def make_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=256 * 2**20)
+    app = web.Application(client_max_size=256 * 2**20, middlewares=[auth_middleware(gateway)])
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
     app.router.add_get("/cluster/stats", gateway.cluster_stats)
@@ -289,11 +329,12 @@ def make_app(gateway: Gateway) -> web.Application:
     return app
 
 
-def _kv_capacity(url: str) -> int:
+def _kv_capacity(url: str, api_key: str | None = None) -> int:
     """A worker's KV token slots, from its `/multilora/stats` (its `--max-total-tokens`)."""
     import urllib.request
 
-    with urllib.request.urlopen(url + "/multilora/stats", timeout=60) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/multilora/stats", headers=_bearer(api_key)),
+                                timeout=60) as r:
         kv_tokens = worker_memory(json.loads(r.read())).kv_tokens
     if kv_tokens is None:
         raise SystemExit(f"{url}/multilora/stats reports no KV pool size; --balancer mell needs it")
@@ -328,14 +369,14 @@ def main(argv: list[str] | None = None) -> None:
     placement = Placement(len(args.worker_urls), replication=args.replication, cache_threshold=args.cache_threshold,
                           balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     urls = [u.rstrip("/") for u in args.worker_urls]
-    balancer = None
+    balancer, api_key = None, os.environ.get(API_KEY_ENV) or None
     if args.balancer == "mell":
         from sgl_multilora.cluster.mell import MellPacker
 
-        capacity = min(_kv_capacity(url) for url in urls)
+        capacity = min(_kv_capacity(url, api_key) for url in urls)
         balancer = LiveBalancer(MellPacker(max(1, int(capacity * args.balance_fill))), len(urls))
     gateway = Gateway(args.router_url, urls, placement, migration=args.migration,
-                      admin_key=os.environ.get(ADMIN_KEY_ENV) or None, balancer=balancer,
+                      admin_key=os.environ.get(ADMIN_KEY_ENV) or None, api_key=api_key, balancer=balancer,
                       balance_epoch_s=args.balance_epoch_s)
     web.run_app(make_app(gateway), host=args.host, port=args.port, access_log=None, print=None)
 

@@ -38,6 +38,10 @@ POLICIES = (LORA_AWARE, *SMG_POLICIES)
 RESERVED_WORKER_FLAGS = ("--host", "--port")
 ADMIN_KEY_FLAG = "--admin-api-key"
 ADMIN_KEY_ENV = "SGL_MULTILORA_WORKER_ADMIN_KEY"  # how the gateway gets it (gateway.py reads it)
+# The workers' `--api-key`, when the operator gives one: smg gets it too (it presents it to the workers and wants it
+# from clients), and so does the gateway (it wants it from clients and presents it on its own calls).
+API_KEY_FLAG = "--api-key"
+API_KEY_ENV = "SGL_MULTILORA_API_KEY"
 
 
 class ClusterError(ServerStartError):
@@ -48,9 +52,13 @@ def smg_available() -> bool:
     return importlib.util.find_spec("smg") is not None
 
 
-def _ready(url: str, timeout_s: float = 30.0) -> bool:
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _ready(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
@@ -110,11 +118,20 @@ class Cluster:
             self.admin_api_key = secrets.token_hex(24)  # hex: never starts with "-", which argparse would take for a flag
             self.worker_args += [ADMIN_KEY_FLAG, self.admin_api_key]
             self.admin_key_file = self.log_dir / "admin-api-key"
+        self.api_key = (self.worker_args[self.worker_args.index(API_KEY_FLAG) + 1]
+                        if API_KEY_FLAG in self.worker_args else None)
 
     @property
     def admin_headers(self) -> dict[str, str]:
-        """What a client sends to a worker's admin routes (`/flush_cache`, `/load_lora_adapter`, ...)."""
-        return {"Authorization": f"Bearer {self.admin_api_key}"}
+        """What a client sends to a worker's admin routes (`/flush_cache`, `/load_lora_adapter`, ...) and to the
+        gateway's `/cluster/migrate`."""
+        return _bearer(self.admin_api_key)
+
+    @property
+    def client_headers(self) -> dict[str, str]:
+        """What a client sends with every other request: the workers' `--api-key` when they have one (the router
+        and the gateway want it too), else nothing."""
+        return _bearer(self.api_key)
 
     @property
     def router_url(self) -> str:
@@ -140,7 +157,8 @@ class Cluster:
                 "--policy", "consistent_hashing" if self.policy == LORA_AWARE else self.policy,
                 "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
                 # smg drains in-flight requests for 180 s on SIGTERM by default; our stop waits 30 s at most
-                "--shutdown-grace-period-secs", "5", "--log-level", "warn", *self.router_args]
+                "--shutdown-grace-period-secs", "5", "--log-level", "warn",
+                *([API_KEY_FLAG, self.api_key] if self.api_key else []), *self.router_args]
 
     def gateway_command(self) -> list[str]:
         return [self.python, "-m", "sgl_multilora.cluster.gateway", "--host", self.host,
@@ -175,7 +193,7 @@ class Cluster:
         if self.gateway_port:
             gateway_url = f"http://{self.host}:{self.gateway_port}"
             self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url,
-                                  {**self.env, ADMIN_KEY_ENV: self.admin_api_key})
+                                  {**self.env, ADMIN_KEY_ENV: self.admin_api_key, API_KEY_ENV: self.api_key or ""})
             self._wait([self.gateway], "/cluster/stats", "gateway")
 
     def _stop_front(self) -> None:
@@ -205,7 +223,7 @@ class Cluster:
                 if not handle.alive():
                     raise ClusterError(f"{what} {handle.url} exited with code {handle.process.returncode} during "
                                        f"start-up; log {handle.log_path}:\n{handle.log_tail()}")
-                if _ready(handle.url + path):
+                if _ready(handle.url + path, headers=self.client_headers):
                     pending.remove(handle)
             if pending and time.monotonic() > deadline:
                 handle = pending[0]
@@ -219,7 +237,8 @@ class Cluster:
         deadline = time.monotonic() + 120.0
         while True:
             try:
-                with urllib.request.urlopen(self.router_url + "/workers", timeout=10) as response:
+                request = urllib.request.Request(self.router_url + "/workers", headers=self.client_headers)
+                with urllib.request.urlopen(request, timeout=10) as response:
                     workers = json.loads(response.read())["workers"]
                 if sum(w.get("status") == "ready" for w in workers) >= self.num_workers:
                     return

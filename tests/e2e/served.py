@@ -20,8 +20,10 @@ def generate(server, lora: str | None, ids: list[int], max_new_tokens: int) -> d
 
 
 def memory(server) -> dict:
-    """The (first) scheduler's memory view from `/multilora/stats`."""
-    return requests.get(server.url + "/multilora/stats", timeout=60).json()["memory"][0]
+    """The (first) scheduler's memory view from `/multilora/stats` (with `server.headers`, when it has them)."""
+    res = requests.get(server.url + "/multilora/stats", headers=getattr(server, "headers", None), timeout=60)
+    assert res.status_code == 200, res.text
+    return res.json()["memory"][0]
 
 
 def wait_idle(server, timeout_s: float = 60.0) -> dict:

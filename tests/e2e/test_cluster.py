@@ -32,6 +32,10 @@ pytest.importorskip("smg", reason="the router `smg` is not installed (requiremen
 pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 6
+# The workers run with an API key, as a production cluster does: the router, the gateway and every worker want it.
+API_KEY = "e2e-cluster-api-key"
+http = requests.Session()  # what a client of the cluster uses: the key on every request
+http.headers["Authorization"] = f"Bearer {API_KEY}"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def cluster(model_path):
     from sgl_multilora.server import cpu_server_args
 
     worker_args = ["--model-path", model_path, *cpu_server_args(max_total_tokens=4096), *LORA_SERVER_ARGS,
-                   "--radix-cache-backend", "multilora"]
+                   "--radix-cache-backend", "multilora", "--api-key", API_KEY]
     handle = Cluster(2, worker_args, policy="lora_aware", log_dir=REPO / ".pytest_cache" / "e2e_cluster")
     with handle:
         yield handle
@@ -49,13 +53,18 @@ def cluster(model_path):
 def generate(url: str, ids: list[int], lora: str | None) -> tuple[list[int], str | None]:
     body = {"input_ids": ids, "lora_path": lora,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-    res = requests.post(url + "/generate", json=body, timeout=300)
+    res = http.post(url + "/generate", json=body, timeout=300)
     assert res.status_code == 200, res.text
     return res.json()["output_ids"], res.headers.get("x-smg-routed-worker-id")
 
 
+def migrate(cluster, **body) -> requests.Response:
+    """`POST /cluster/migrate`: it moves other clients' requests, so it wants the admin key."""
+    return http.post(cluster.url + "/cluster/migrate", json=body, headers=cluster.admin_headers, timeout=60)
+
+
 def chat(url: str, model: str) -> requests.Response:
-    return requests.post(url + "/v1/chat/completions", timeout=300, json={
+    return http.post(url + "/v1/chat/completions", timeout=300, json={
         "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": MAX_NEW_TOKENS, "temperature": 0})
 
@@ -76,6 +85,27 @@ def test_generate_through_cluster_equals_worker(cluster, manifest, tokenizer):
     assert direct[None] != direct["caps"], "caps changed nothing on its own prompt: lora_path was not applied"
 
 
+def test_every_front_wants_the_api_key_and_the_gateway_presents_it(cluster, tokenizer):
+    """Workers started with `--api-key`: the gateway, smg and each worker answer 401 without it (probes stay open);
+    the gateway's own calls carry it (its view reads every worker's memory); moving a request wants the admin key."""
+    ids = tokenizer("Keys guard the cluster.", add_special_tokens=False)["input_ids"]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+    for url in (cluster.url, cluster.router_url, *cluster.worker_urls):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert requests.post(url + "/generate", json=body, headers=headers, timeout=60).status_code == 401, url
+    for path in ("/cluster/stats", "/v1/models"):
+        assert requests.get(cluster.url + path, timeout=60).status_code == 401, path
+    assert requests.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+    assert requests.get(cluster.url + "/health", timeout=60).status_code == 200
+    # the API key does not move requests: /cluster/migrate wants the admin key (an unknown rid then gets 404)
+    assert http.post(cluster.url + "/cluster/migrate", json={"rid": "nobody"}, timeout=60).status_code == 401
+    assert migrate(cluster, rid="nobody").status_code == 404
+    assert http.post(cluster.url + "/generate", json=body, timeout=300).status_code == 200
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
+    assert all("error" not in w and w["kv"]["total"] for w in view["workers"]), view["workers"]
+
+
 def test_distinct_prompts_spread_and_land_where_placed(cluster, tokenizer):
     routed = set()
     for i in range(12):
@@ -83,7 +113,7 @@ def test_distinct_prompts_spread_and_land_where_placed(cluster, tokenizer):
         _, worker = generate(cluster.url, ids, None)
         routed.add(worker.rstrip("/"))
     assert routed == set(cluster.worker_urls), f"12 distinct base prompts all went to {routed}"
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     placement = view["placement"]
     assert set(placement["workers_of"]) >= {"caps", "json"}
     assert sum(placement["routed"].values()) >= 12 + 6
@@ -94,7 +124,7 @@ def test_distinct_prompts_spread_and_land_where_placed(cluster, tokenizer):
 
 
 def test_openai_api_through_cluster(cluster):
-    served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+    served = http.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
     for model in (served, f"{served}:caps"):
         direct, routed = chat(cluster.worker_urls[0], model), chat(cluster.url, model)
         assert direct.status_code == routed.status_code == 200, routed.text
@@ -133,14 +163,13 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
     body = {"input_ids": ids, "lora_path": "caps", **logprob_fields(),
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     chunks, moved = [], None
-    with requests.post(cluster.url + "/generate", json={**body, "rid": "move-me", "stream": True}, stream=True,
+    with http.post(cluster.url + "/generate", json={**body, "rid": "move-me", "stream": True}, stream=True,
                        timeout=300) as r:
         assert r.status_code == 200, r.text
         for chunk in sse(r):
             chunks.append(chunk)
             if moved is None and len(chunk["output_ids"]) >= 4:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me", "kind": "recompute"},
-                                      timeout=60)
+                moved = migrate(cluster, rid="move-me", kind="recompute")
                 assert moved.status_code == 202, moved.text
     final = assert_one_stream(chunks, n)
     src, dst = moved.json()["from"], moved.json()["to"]
@@ -148,12 +177,12 @@ def test_request_moved_mid_generation_continues_its_stream(cluster, manifest, to
     assert [(m["from"], m["to"], m["kind"]) for m in migrations] == [(src, dst, "recompute")], migrations
     assert 4 <= migrations[0]["at_token"] < n, migrations  # moved mid-generation, not before or after
     assert final["meta_info"]["completion_tokens"] == n and final["meta_info"]["prompt_tokens"] == len(ids)
-    direct = requests.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
+    direct = http.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
     assert final["output_ids"] == direct["output_ids"] and final["text"] == direct["text"]
     assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), "caps moved mid-generation")
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["recompute"] >= 1 and view["carried"] == 0
-    gone = requests.post(cluster.url + "/cluster/migrate", json={"rid": "move-me"}, timeout=60)
+    gone = migrate(cluster, rid="move-me")
     assert gone.status_code == 404 and "no running request" in gone.text
 
 
@@ -168,13 +197,13 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     body = {"input_ids": ids, "lora_path": name, **logprob_fields(),
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     chunks, moved = [], None
-    with requests.post(cluster.url + "/generate", json={**body, "rid": rid, "stream": True}, stream=True,
+    with http.post(cluster.url + "/generate", json={**body, "rid": rid, "stream": True}, stream=True,
                        timeout=300) as r:
         assert r.status_code == 200, r.text
         for chunk in sse(r):
             chunks.append(chunk)
             if moved is None and len(chunk["output_ids"]) >= 6:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
+                moved = migrate(cluster, rid=rid, kind="kv")
                 assert moved.status_code == 202, moved.text
     final = assert_one_stream(chunks, n)
     src, dst = moved.json()["from"], moved.json()["to"]
@@ -184,12 +213,12 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     assert held - 1 <= move["kv_tokens"] <= held and move["kv_bytes"] > 0, move
     # the destination computes at least the last token itself; everything before it came from the import
     assert final["meta_info"]["cached_tokens"] >= min(move["kv_tokens"], held - 1), (final["meta_info"], move)
-    direct = requests.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
+    direct = http.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
     assert final["output_ids"] == direct["output_ids"] and final["text"] == direct["text"]
     assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), f"{name} moved with its KV")
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["kv"] >= 1 and view["kv_transfer"]["tokens"] > 0, view["kv_transfer"]
-    m = wait_idle(SimpleNamespace(url=cluster.worker_urls[dst]))
+    m = wait_idle(SimpleNamespace(url=cluster.worker_urls[dst], headers=cluster.client_headers))
     slots = m["unified_pool"]["slots"]
     assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
     assert slots["free"] + slots["adapter"] + slots["kv_cached"] == m["total"], slots
@@ -199,23 +228,23 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
 def test_openai_completion_moved_mid_generation_answers_as_the_worker_does(cluster, manifest):
     """An OpenAI /v1/completions request naming an adapter is carried as well: moved with its KV mid-stream, its
     client gets the deltas, finish reason and usage a worker's own /v1/completions gives, without a gap."""
-    served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+    served = http.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
     caps = next(e for e in manifest if e["name"] == "caps")
     n = 40
     body = {"model": f"{served}:caps", "prompt": "OpenAI move: " + caps["example_input_text"], "max_tokens": n,
             "temperature": 0, "ignore_eos": True}
-    direct = requests.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300).json()
-    with requests.post(cluster.worker_urls[0] + "/v1/completions", json={**body, "stream": True}, stream=True,
+    direct = http.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300).json()
+    with http.post(cluster.worker_urls[0] + "/v1/completions", json={**body, "stream": True}, stream=True,
                        timeout=300) as r:
         direct_chunks = list(sse(r))
     chunks, moved, rid = [], None, "move-openai"
-    with requests.post(cluster.url + "/v1/completions", stream=True, timeout=300, json={
+    with http.post(cluster.url + "/v1/completions", stream=True, timeout=300, json={
             **body, "rid": rid, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200, r.text
         for chunk in sse(r):
             chunks.append(chunk)
             if moved is None and len("".join(c["choices"][0]["text"] for c in chunks if c["choices"])) >= 8:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
+                moved = migrate(cluster, rid=rid, kind="kv")
                 assert moved.status_code == 202, moved.text
     assert moved is not None and all("error" not in c for c in chunks), chunks[-1:]
     *content, usage = chunks
@@ -227,14 +256,14 @@ def test_openai_completion_moved_mid_generation_answers_as_the_worker_does(clust
     assert usage["choices"] == [] and usage["usage"] == {k: v for k, v in direct["usage"].items() if v is not None}
     assert set(content[0]) == set(direct_chunks[0]) and set(content[0]["choices"][0]) == set(
         direct_chunks[0]["choices"][0]), (content[0], direct_chunks[0])  # the worker's own objects
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["kv"] >= 1 and view["carried"] == 0
     # not moved, not streamed: the worker's own answer but for its id and time
-    routed = requests.post(cluster.url + "/v1/completions", json=body, timeout=300).json()
+    routed = http.post(cluster.url + "/v1/completions", json=body, timeout=300).json()
     assert {k: v for k, v in routed.items() if k not in ("id", "created")} == \
         {k: v for k, v in direct.items() if k not in ("id", "created")}
     # served, not carried: what a move could not continue exactly (a penalty counts the output so far)
-    penalised = requests.post(cluster.url + "/v1/completions", json={**body, "frequency_penalty": 0.5}, timeout=300)
+    penalised = http.post(cluster.url + "/v1/completions", json={**body, "frequency_penalty": 0.5}, timeout=300)
     assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"], penalised.text
 
 
@@ -243,25 +272,25 @@ def test_chat_completion_moved_mid_generation_answers_as_the_worker_does(cluster
     route (template, tokenizer, defaults): moved with its KV mid-stream, its client gets the role chunk, the content
     deltas, the finish chunk and the usage a worker's own /v1/chat/completions gives, without a gap. A chat request
     the gateway's view could not write (two choices) is served by a worker's chat route, not carried."""
-    served = requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+    served = http.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
     n = 40
     body = {"model": f"{served}:caps", "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "system", "content": "You answer briefly."},
                          {"role": "user", "content": "Chat move: name the planets of the solar system."}]}
-    before = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
-    direct = requests.post(cluster.worker_urls[0] + "/v1/chat/completions", json=body, timeout=300).json()
-    with requests.post(cluster.worker_urls[0] + "/v1/chat/completions", stream=True, timeout=300,
+    before = http.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
+    direct = http.post(cluster.worker_urls[0] + "/v1/chat/completions", json=body, timeout=300).json()
+    with http.post(cluster.worker_urls[0] + "/v1/chat/completions", stream=True, timeout=300,
                        json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         direct_chunks = list(sse(r))
     chunks, moved, rid = [], None, "move-chat"
-    with requests.post(cluster.url + "/v1/chat/completions", stream=True, timeout=300, json={
+    with http.post(cluster.url + "/v1/chat/completions", stream=True, timeout=300, json={
             **body, "rid": rid, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200, r.text
         for chunk in sse(r):
             chunks.append(chunk)
             text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
             if moved is None and len(text) >= 8:
-                moved = requests.post(cluster.url + "/cluster/migrate", json={"rid": rid, "kind": "kv"}, timeout=60)
+                moved = migrate(cluster, rid=rid, kind="kv")
                 assert moved.status_code == 202, moved.text
     assert moved is not None and all("error" not in c for c in chunks), chunks[-1:]
     role, *content, finish, usage = chunks
@@ -274,15 +303,15 @@ def test_chat_completion_moved_mid_generation_answers_as_the_worker_does(cluster
     assert {c["id"] for c in chunks} == {usage["id"]} and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert all(set(c) == set(direct_chunks[1]) and set(c["choices"][0]) == set(direct_chunks[1]["choices"][0])
                for c in content), (content[0], direct_chunks[1])
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["kv"] >= 1 and view["carried"] == 0
     # not moved, not streamed: the worker's own answer but for its id and time
-    routed = requests.post(cluster.url + "/v1/chat/completions", json=body, timeout=300).json()
+    routed = http.post(cluster.url + "/v1/chat/completions", json=body, timeout=300).json()
     assert {k: v for k, v in routed.items() if k not in ("id", "created")} == \
         {k: v for k, v in direct.items() if k not in ("id", "created")}
-    two = requests.post(cluster.url + "/v1/chat/completions", json={**body, "n": 2, "max_tokens": 4}, timeout=300)
+    two = http.post(cluster.url + "/v1/chat/completions", json={**body, "n": 2, "max_tokens": 4}, timeout=300)
     assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
-    after = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
+    after = http.get(cluster.url + "/cluster/stats", timeout=60).json()["chat"]
     assert after["carried"] - before["carried"] == 2, (before, after)
     assert after["passed"].get("n > 1", 0) - before["passed"].get("n > 1", 0) == 1, (before, after)
 
@@ -292,19 +321,19 @@ def test_bad_input_of_a_carried_request_gets_the_workers_error_and_status(cluste
     client gets the status and the error a worker itself answers (OpenAI's error object on the OpenAI route)."""
     too_long = [100] * 9000  # SmolLM2's context is 8,192 tokens
     native = {"input_ids": too_long, "sampling_params": {"max_new_tokens": 4}}
-    direct = requests.post(cluster.worker_urls[0] + "/generate", json=native, timeout=300)
-    routed = requests.post(cluster.url + "/generate", json=native, timeout=300)
+    direct = http.post(cluster.worker_urls[0] + "/generate", json=native, timeout=300)
+    routed = http.post(cluster.url + "/generate", json=native, timeout=300)
     assert direct.status_code == routed.status_code == 400, (direct.text, routed.text)
     assert routed.json()["error"]["message"] == direct.json()["error"]["message"]
     assert "context length" in routed.json()["error"]["message"]
     for stream in (False, True):
-        body = {"model": requests.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"],
+        body = {"model": http.get(cluster.worker_urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"],
                 "prompt": too_long, "max_tokens": 4, "stream": stream}
-        direct = requests.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300)
-        routed = requests.post(cluster.url + "/v1/completions", json=body, timeout=300)
+        direct = http.post(cluster.worker_urls[0] + "/v1/completions", json=body, timeout=300)
+        routed = http.post(cluster.url + "/v1/completions", json=body, timeout=300)
         assert direct.status_code == routed.status_code == 400, (stream, direct.text, routed.text)
         assert routed.json() == direct.json(), stream
-    assert requests.get(cluster.url + "/cluster/stats", timeout=60).json()["carried"] == 0
+    assert http.get(cluster.url + "/cluster/stats", timeout=60).json()["carried"] == 0
 
 
 def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenizer):
@@ -322,10 +351,10 @@ def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenize
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = requests.post(f"{a}/multilora/kv/{route}", headers=headers, timeout=60, **kwargs)
             assert r.status_code == 401, (route, headers, r.status_code, r.text)
-    r = requests.post(a + "/multilora/kv/export", json=export, headers=admin, timeout=60)
+    r = http.post(a + "/multilora/kv/export", json=export, headers=admin, timeout=60)
     assert r.status_code == 200 and int(r.headers["X-Multilora-KV-Tokens"]) == len(ids), (r.status_code, r.text)
     data = r.content
-    unknown = requests.post(a + "/multilora/kv/export", json={**export, "lora_path": "nope"}, headers=admin,
+    unknown = http.post(a + "/multilora/kv/export", json={**export, "lora_path": "nope"}, headers=admin,
                             timeout=60)
     assert unknown.status_code == 400 and "'nope' is not loaded" in unknown.text, unknown.text
 
@@ -335,7 +364,7 @@ def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenize
             f.flush()
             with safe_open(f.name, framework="pt") as g:
                 meta = {**g.metadata(), **metadata}
-        return requests.post(b + "/multilora/kv/import", data=save(tensors, metadata=meta), headers=admin,
+        return http.post(b + "/multilora/kv/import", data=save(tensors, metadata=meta), headers=admin,
                              timeout=60)
 
     tensors = load(data)
@@ -343,13 +372,13 @@ def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenize
     assert foreign.status_code == 400 and "no adapter with the KV's identity" in foreign.text, foreign.text
     cut = reimport({"k": tensors["k"][1:], "v": tensors["v"][1:]})
     assert cut.status_code == 400 and "differs" not in cut.text and "must be" in cut.text, cut.text
-    garbage = requests.post(b + "/multilora/kv/import", data=b"not a KV export", headers=admin, timeout=60)
+    garbage = http.post(b + "/multilora/kv/import", data=b"not a KV export", headers=admin, timeout=60)
     assert garbage.status_code == 400 and "safetensors" in garbage.text, garbage.text
-    ok = requests.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60)
+    ok = http.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60)
     assert ok.status_code == 200 and ok.json()["imported"] + ok.json()["cached"] == len(ids), ok.text
-    again = requests.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60).json()
+    again = http.post(b + "/multilora/kv/import", data=data, headers=admin, timeout=60).json()
     assert again["imported"] == 0 and again["cached"] == len(ids), again  # never written twice
-    hit = requests.post(b + "/generate", timeout=300, json={
+    hit = http.post(b + "/generate", timeout=300, json={
         "input_ids": ids, "lora_path": "json", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
     assert hit["meta_info"]["cached_tokens"] == len(ids) - 1, hit["meta_info"]
 
@@ -370,12 +399,12 @@ def test_mell_balancer_moves_a_growing_request_and_outputs_stay_exact(cluster, t
         n = 48
 
         def run(ids, url):
-            return requests.post(url + "/generate", timeout=300, json={
+            return http.post(url + "/generate", timeout=300, json={
                 "input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
 
         with ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda ids: run(ids, cluster.url), prompts))
-        view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+        view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
         balancer = view["balancer"]
         assert balancer["policy"] == "mell" and balancer["capacity_tokens"] == 100, balancer
         moved = [a.json()["meta_info"].get("migrations") for a in answers]
@@ -388,7 +417,7 @@ def test_mell_balancer_moves_a_growing_request_and_outputs_stay_exact(cluster, t
         while balancer["tracked"] or balancer["instances"]:
             assert time.monotonic() < deadline, balancer
             time.sleep(0.5)
-            balancer = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["balancer"]
+            balancer = http.get(cluster.url + "/cluster/stats", timeout=60).json()["balancer"]
     finally:
         cluster.gateway_args = saved
         cluster.set_policy("lora_aware")
@@ -398,9 +427,9 @@ def test_worker_stopped_mid_request_finishes_elsewhere_and_comes_back(cluster):
     n = 64
     body = {"text": "Tell a long story about a lighthouse keeper and the sea.",
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    expected = requests.post(cluster.worker_urls[0] + "/generate", json=body, timeout=300).json()
+    expected = http.post(cluster.worker_urls[0] + "/generate", json=body, timeout=300).json()
     chunks = []
-    with requests.post(cluster.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300) as r:
+    with http.post(cluster.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300) as r:
         victim = cluster.worker_urls.index(r.headers["x-smg-routed-worker-id"].rstrip("/"))
         for chunk in sse(r):
             chunks.append(chunk)
@@ -409,22 +438,22 @@ def test_worker_stopped_mid_request_finishes_elsewhere_and_comes_back(cluster):
     final = assert_one_stream(chunks, n)
     assert final["output_ids"] == expected["output_ids"] and final["text"] == expected["text"]
     assert [(m["from"], m["kind"]) for m in final["meta_info"]["migrations"]] == [(victim, "failover")]
-    view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+    view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["down"] == [victim] and view["migrations"]["failover"] == 1, view
     survivor = cluster.worker_urls[1 - victim]
     for i in range(3):  # new requests go to the worker that is left
-        res = requests.post(cluster.url + "/generate", timeout=300, json={
+        res = http.post(cluster.url + "/generate", timeout=300, json={
             "text": f"Question {i}: name a river.", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert res.status_code == 200 and res.headers["x-smg-routed-worker-id"].rstrip("/") == survivor, res.text
 
     cluster.restart_worker(victim)  # back: the gateway sees its health and routes to it again
     deadline = time.monotonic() + 120
-    while requests.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] and time.monotonic() < deadline:
+    while http.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] and time.monotonic() < deadline:
         time.sleep(1.0)
-    assert requests.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] == []
+    assert http.get(cluster.url + "/cluster/stats", timeout=60).json()["down"] == []
     routed = set()
     for i in range(12):
-        res = requests.post(cluster.url + "/generate", timeout=300, json={
+        res = http.post(cluster.url + "/generate", timeout=300, json={
             "text": f"Question {i}: name a mountain in country {i}.", "sampling_params": {"max_new_tokens": 2}})
         assert res.status_code == 200, res.text
         routed.add(res.headers["x-smg-routed-worker-id"].rstrip("/"))
