@@ -172,6 +172,9 @@ class UnifiedPool:
         self._free = np.arange(num_slots if track_ids else 0, dtype=np.int64)
         self._head = 0
         self._freed: list[np.ndarray] = []
+        # Releases so far. Between two releases the free slots only shrink, so runs a reader could not use stay
+        # unusable: a refused placement is worth retrying only after this moves.
+        self.num_releases = 0
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -251,6 +254,7 @@ class UnifiedPool:
         n, ids = self._resolve(kind, slots)
         self._num[kind] -= n
         self._num_free += n
+        self.num_releases += n > 0
         if ids is not None and n:
             self._kind[ids] = _FREE
             self._freed.append(ids)

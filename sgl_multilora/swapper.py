@@ -11,7 +11,8 @@ make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suff
 dependents: those join the heap. So the resident set stays closed under dependency at every instant: no
 resident KV of a non-resident adapter (invalid KV == 0), no locked node and no used adapter ever evicted.
 Idle (`tick`): every `swap_interval_s`, while used slots are below `idle_watermark` of the pool, absent
-adapters start loading in descending score, stopping before one would cross the watermark, then the host tier
+adapters start loading in descending score, stopping before one would cross the watermark (or at one the loader refused, not retried until the pool frees
+some slot: between releases the free runs only shrink), then the host tier
 (when there is one: `kv_prefetch`) copies back host KV, highest score first, into what is left below the
 watermark (ELORA's swap-in of adapters and KV).
 
@@ -92,6 +93,7 @@ class Swapper:
         self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
+        self._refused_prefetch: tuple[str, int] | None = None  # (adapter, pool.num_releases after its refusal)
 
     # ---- busy: evict -----------------------------------------------------------------------------
 
@@ -184,8 +186,9 @@ class Swapper:
     def tick(self, now: float) -> list[str]:
         """Finishes done loads (returned, as `poll_loads`); then, once per `swap_interval_s`, while used
         slots are below `idle_watermark` of the pool, starts loading absent adapters, highest score first
-        (ties by id), stopping before one would cross the watermark, and gives what is left below it to
-        `kv_prefetch`. Never evicts."""
+        (ties by id), stopping before one would cross the watermark or at one the loader refuses (which is not
+        tried again until the pool releases a slot), and gives what is left below it to `kv_prefetch`. Never
+        evicts."""
         done = self.poll_loads()
         if not self.prefetch or now < self._next_swap_s:
             return done
@@ -199,7 +202,10 @@ class Swapper:
         for adapter_id in cold:
             if self.pool.num_used + res.entry(adapter_id).num_slots > limit:
                 break
+            if self._refused_prefetch == (adapter_id, self.pool.num_releases):
+                break  # refused, and nothing was freed since: the same runs would be refused again
             if not self._start(adapter_id):
+                self._refused_prefetch = (adapter_id, self.pool.num_releases)
                 break
             self.counters.prefetches += 1
         room = int(limit) - self.pool.num_used

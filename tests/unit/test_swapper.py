@@ -346,6 +346,30 @@ def test_a_refused_load_frees_one_run_long_enough_and_retries():
     w.check()
 
 
+def test_a_refused_prefetch_is_not_retried_until_a_slot_is_released():
+    """Idle, the highest-scored absent adapter (A, 3 slots) gets only fragmented runs, which the loader refuses.
+    Every later tick would be refused the same way until some slot is released: the swapper waits for a release
+    instead of trying (and counting a refusal) every swap interval."""
+    w = World("lru", idle_watermark=1.0)
+    w.loader = OneRunLoader()
+    w.swapper.loader = w.loader
+    w.serve(1.0, None, [1, 2])  # [0 1]
+    w.serve(2.0, None, [3])  # [2]
+    w.serve(3.0, None, [4, 5, 6, 7, 8, 9, 10])  # [3-9]
+    w.tree.evict_leaf(w.tree.match(w.key(None, [3])).last_node, w._free)  # frees [2]; [10 11] free
+    w.usage.record_request("A", 4.0)  # A scores above B and X
+    assert w.pool.num_free == 3 and w.pool.largest_free_run() == 2
+    assert w.swapper.tick(5.0) == [] and w.loader.refused == [((10, 2), (2, 1))]
+    for t in (5.1, 5.2, 5.3):  # nothing released: not tried again
+        w.swapper.tick(t)
+    assert len(w.loader.refused) == 1 and w.swapper.counters.refused_loads == 1 and not w.loader.started
+    w.check()
+    w.tree.evict_leaf(w.tree.match(w.key(None, [1, 2])).last_node, w._free)  # frees [0 1]: [0-2] is a run of 3
+    w.swapper.tick(5.4)
+    assert w.loader.started[0] == ("A", ((0, 3),)) and w.swapper.counters.prefetches >= 1
+    w.check()
+
+
 def test_make_room_for_a_run_never_evicts_protected_and_says_not_now():
     w = World("lru")
     w.load("A", "B", "X")  # [9-11], [8], [6-7]
