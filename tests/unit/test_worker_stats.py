@@ -72,8 +72,16 @@ def test_a_figure_a_worker_does_not_report_is_none(stats, expected):
 
 def test_the_gateways_start_reads_the_kv_slots_from_the_same_figures(monkeypatch):
     answers = {"http://w0/multilora/stats": STATS, "http://w1/multilora/stats": changed(total=None)}
-    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(json.dumps(answers[url]).encode()))
+    sent = []
+
+    def urlopen(request, timeout):
+        sent.append(request.get_header("Authorization"))
+        return io.BytesIO(json.dumps(answers[request.full_url]).encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     assert _kv_capacity("http://w0") == 8192
+    assert _kv_capacity("http://w0", api_key="k") == 8192  # workers with --api-key want it
+    assert sent == [None, "Bearer k"]
     with pytest.raises(SystemExit, match="no KV pool size"):
         _kv_capacity("http://w1")
 
