@@ -146,6 +146,9 @@ def read_config(path: str | os.PathLike, name: str | None = None,
         config = {**config, "target_modules": _resolve_pattern(name, path, targets)}
     elif not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
         raise _fail(name, f"'target_modules' must be a non-empty list of module names or a pattern, got {targets!r}")
+    elif any("." in t for t in targets):
+        # PEFT matches a dotted entry ("self_attn.q_proj") as the end of a module's path: the module is its last part
+        config = {**config, "target_modules": sorted({t.rsplit(".", 1)[-1] for t in targets})}
     if config.get("use_dora"):
         raise _fail(name, "DoRA adapters are not supported")
     bias = config.get("bias", "none")

@@ -1,8 +1,9 @@
 """End to end: adapter weights and KV in one pool (`--multilora-memory unified`, the default of the tree backend).
 
 24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs;
-some in PEFT's other layouts: `q_proj` alone, k/v without q, a regex `target_modules`, `layers_to_transform`,
-rsLoRA scaling, a fractional alpha) on a server whose pool holds about a third of their weights plus some KV. Concurrent base, LoRA and aLoRA traffic
+some in PEFT's other layouts: `q_proj` alone, k/v without q, a regex or dotted `target_modules`,
+`layers_to_transform`, rsLoRA scaling, a fractional alpha) on a server whose pool holds about a third of their
+weights plus some KV. Concurrent base, LoRA and aLoRA traffic
 over all of them, twice in different orders: adapters are evicted and copied back into KV slots while the tree
 evicts KV, and every output must equal PEFT's (tokens and logprobs). The server runs in test mode: the tree's and
 the pool's invariants after every step (`--multilora-check-invariants`: free + adapter + cached + running KV ==
@@ -42,7 +43,7 @@ VARIANTS = {
     4: {"target_modules": r".*\.(q_proj|v_proj|up_proj)"},  # PEFT saves a regex as a string
     5: {"target_modules": ["k_proj", "v_proj", "gate_proj"], "use_rslora": True},  # an aLoRA
     8: {"layers_to_transform": list(range(0, 30, 3)), "lora_alpha": 12.5},
-    12: {"target_modules": ["q_proj", "k_proj", "down_proj"], "use_rslora": True},
+    12: {"target_modules": ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"], "use_rslora": True},
 }
 
 

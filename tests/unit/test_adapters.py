@@ -78,6 +78,13 @@ def test_a_pattern_target_modules_is_resolved_from_the_weights(tmp_path, pattern
     assert adapter.spec.identity == reference.spec.identity  # the same modules and weights: the same adapter
 
 
+def test_dotted_target_modules_name_the_module_at_their_end(tmp_path):
+    """PEFT matches `["self_attn.q_proj", ...]` as the end of each module's path."""
+    path = write_adapter(tmp_path / "a")
+    _set_config(path, target_modules=["self_attn.q_proj", "model.layers.0.self_attn.v_proj", "v_proj"])
+    assert load_adapter(path, SHAPE).spec.target_modules == ("q_proj", "v_proj")
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
