@@ -154,9 +154,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state", "after", "stats:scheduler_internal_state",
           ("self", "recv_req"), "add the tree's counters and memory by kind for /multilora/stats"),
     _hook("sglang.srt.entrypoints.http_server.launch_server", "before", "stats:add_routes", ("server_args",),
-          "install the /multilora/stats route before the app starts", Process.HTTP),
+          "install the /multilora/stats and /multilora/metrics routes before the app starts", Process.HTTP),
     TouchPoint("sglang.srt.entrypoints.http_server.app", Kind.ROUTE, "patches.stats:add_routes", (),
-               "GET /multilora/stats: every scheduler's counters over SGLang's internal-state channel", Process.HTTP,
+               "GET /multilora/stats (JSON) and /multilora/metrics (Prometheus text): every scheduler's counters "
+               "over SGLang's internal-state channel", Process.HTTP,
                also=("sglang.srt.entrypoints.http_server.get_global_state",
                      f"{_TM}.get_internal_state")),
     # ---- KV transfer between servers -----------------------------------------------------------------------------

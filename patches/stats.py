@@ -109,20 +109,32 @@ def adapter_accounting(scheduler) -> dict | None:
 
 
 ROUTE = "/multilora/stats"
+METRICS_ROUTE = "/multilora/metrics"  # the same figures in Prometheus' text format (sgl_multilora/metrics.py)
 
 
 def add_routes(*args, **kwargs):
     """BEFORE hook on `http_server.launch_server` (runs in the HTTP process only). Idempotent."""
+    from fastapi.responses import PlainTextResponse
     from sglang.srt.entrypoints import http_server
+
+    from sgl_multilora.metrics import prometheus_text
 
     if any(getattr(route, "path", None) == ROUTE for route in http_server.app.routes):
         return None
 
+    async def read():
+        states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
+        return [state.get("multilora") for state in states], [state.get("multilora_memory") for state in states]
+
+    @http_server.app.get(METRICS_ROUTE)
+    async def multilora_metrics():
+        per_rank, memory = await read()
+        return PlainTextResponse(prometheus_text(per_rank, memory),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @http_server.app.get(ROUTE)
     async def multilora_stats():
-        states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
-        per_rank = [state.get("multilora") for state in states]
-        memory = [state.get("multilora_memory") for state in states]
+        per_rank, memory = await read()
         if all(s is None for s in per_rank):
             return {"enabled": False, "reason": "the server runs without --radix-cache-backend multilora",
                     "memory": memory}

@@ -239,3 +239,28 @@ def test_tree_sizes_count_the_cached_tokens(server, tokenizer):
     assert sizes == [(2, len(first) + m - 1), (5, len(first) + m - 1 + len(second) + m - 1 - p)], sizes
     s = stats(server)
     assert set(s["hits"]) == {"base", "same_adapter", "alora_base_prefix", "alora_suffix"}
+
+
+def test_prometheus_metrics_carry_the_stats_figures(server, tokenizer):
+    """`/multilora/metrics` is `/multilora/stats` in Prometheus' text format (read back with prometheus_client's
+    parser): when idle, the same KV slots, pool bytes, tree tokens and reused tokens by kind."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ids = tokenizer("Metrics test: a prompt for the scrape.", add_special_tokens=False).input_ids
+    assert post(server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    tree, memory = wait_idle(server)
+    res = requests.get(server.url + "/multilora/metrics", timeout=60)
+    assert res.status_code == 200 and res.headers["content-type"].startswith("text/plain"), res.text
+    got = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))): s.value
+           for family in text_string_to_metric_families(res.text) for s in family.samples
+           if s.labels.get("rank") == "0"}
+    for state in ("total", "free", "cache_evictable", "cache_protected"):
+        assert got[("sgl_multilora_kv_slots", (("state", state),))] == memory[state], state
+    pool = memory["unified_pool"]
+    for kind, value in pool["bytes"].items():
+        assert got[("sgl_multilora_pool_bytes", (("kind", kind),))] == value, kind
+    assert sum(v for k, v in got.items() if k[0] == "sgl_multilora_pool_bytes") == pool["num_slots"] * pool["slot_bytes"]
+    assert got[("sgl_multilora_tree_tokens", ())] == tree["total_len"]
+    for kind, value in tree["hit_tokens"].items():
+        assert got[("sgl_multilora_tree_hit_tokens_total", (("kind", kind),))] == value, kind
+    assert got[("sgl_multilora_invalid_kv_slots", ())] == 0
