@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"  # PEFT's `safe_serialization=False`; read with torch's weights-only loader
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB; anything past this is not one
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30  # rank-64 adapters on every projection of a 70B model are about 1.7 GB
@@ -120,10 +121,11 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise _fail(name, f"{CONFIG_FILE} is missing in {str(path)!r}")
-    if not (path / WEIGHTS_FILE).is_file():
-        raise _fail(name, f"{WEIGHTS_FILE} is missing in {str(path)!r}")
+    weights = weights_file(path)
+    if weights is None:
+        raise _fail(name, f"{WEIGHTS_FILE} is missing in {str(path)!r} (and there is no {PICKLED_WEIGHTS_FILE})")
     _check_size(name, config_path, MAX_CONFIG_BYTES, "limit for an adapter config")
-    _check_size(name, path / WEIGHTS_FILE, max_weights_bytes, "limit per adapter (--multilora-max-adapter-mb)")
+    _check_size(name, weights, max_weights_bytes, "limit per adapter (--multilora-max-adapter-mb)")
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -168,9 +170,41 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     return config
 
 
+def weights_file(path: str | os.PathLike) -> Path | None:
+    """The adapter's weight file: `adapter_model.safetensors`, else `adapter_model.bin`, else None."""
+    for name in (WEIGHTS_FILE, PICKLED_WEIGHTS_FILE):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
+def _load_pickled(file: Path, name: str) -> dict:
+    """A PyTorch weight file's tensors, through torch's weights-only unpickler (tensors and plain containers only:
+    no code runs). Raises AdapterError naming the file when it is not such a file or not a dict of tensors."""
+    import pickle
+
+    import torch
+
+    try:
+        tensors = torch.load(str(file), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError) as e:
+        raise _fail(name, f"{file.name} is not a readable PyTorch weights file ({str(e).splitlines()[0][:200]})"
+                    ) from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise _fail(name, f"{file.name} must hold a dict of named tensors")
+    return tensors
+
+
 def _weight_keys(path: str | os.PathLike) -> list[str]:
-    """The tensor names in `path`'s weight file, from the safetensors header alone (no tensor data); empty when the
-    file is not a readable safetensors file (`load_adapter` then says so)."""
+    """The tensor names in `path`'s weight file (a safetensors file: from its header alone, no tensor data); empty
+    when the file is not readable (`load_adapter` then says so)."""
+    file = weights_file(path)
+    if file is not None and file.name == PICKLED_WEIGHTS_FILE:
+        try:
+            return list(_load_pickled(file, ""))
+        except AdapterError:
+            return []
     try:
         with open(Path(path) / WEIGHTS_FILE, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -198,7 +232,7 @@ def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
             modules.add(m.group(2))
             paths.add(_LORA_SUFFIX.sub("", key).removeprefix("base_model.model."))
     if not modules:
-        raise _fail(name, f"'target_modules' is the pattern {pattern!r} and {WEIGHTS_FILE} holds no per-layer "
+        raise _fail(name, f"'target_modules' is the pattern {pattern!r} and the weight file holds no per-layer "
                           f"lora_A / lora_B weights to resolve it")
     if pattern != "all-linear":
         try:
@@ -208,7 +242,7 @@ def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
         stray = sorted(p for p in paths if regex.fullmatch(p) is None)
         if stray:
             raise _fail(name, f"'target_modules' pattern {pattern!r} does not select {stray[0]!r}, which "
-                              f"{WEIGHTS_FILE} holds LoRA weights for")
+                              f"the weight file holds LoRA weights for")
     return sorted(modules)
 
 
@@ -217,7 +251,7 @@ def content_identity(path: str | os.PathLike, config: dict) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0")
-    with open(Path(path) / WEIGHTS_FILE, "rb") as f:
+    with open(weights_file(path), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -268,10 +302,14 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
 
     spec = read_spec(path, name, max_weights_bytes)
     check_against_model(spec, shape)
-    try:
-        tensors = load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # malformed header, truncated data, dtype
-        raise _fail(spec.name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
+    file = weights_file(path)
+    if file.name == PICKLED_WEIGHTS_FILE:
+        tensors = _load_pickled(file, spec.name)
+    else:
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # malformed header, truncated data, dtype
+            raise _fail(spec.name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 
     halves: dict[tuple[int, str], dict[str, "torch.Tensor"]] = {}
     for key, tensor in tensors.items():
@@ -303,7 +341,7 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
             )
         weights[(layer_id, module)] = (a, b)
     if not weights:
-        raise _fail(spec.name, f"{WEIGHTS_FILE} holds no LoRA weights")
+        raise _fail(spec.name, f"{file.name} holds no LoRA weights")
     return LoadedAdapter(spec=spec, weights=weights)
 
 

@@ -2,8 +2,8 @@
 
 24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs;
 some in PEFT's other layouts: `q_proj` alone, k/v without q, a regex or dotted `target_modules`,
-`layers_to_transform`, rsLoRA scaling, a fractional alpha) on a server whose pool holds about a third of their
-weights plus some KV. Concurrent base, LoRA and aLoRA traffic
+`layers_to_transform`, rsLoRA scaling, a fractional alpha, weights in a pickled `.bin`) on a server whose pool
+holds about a third of their weights plus some KV. Concurrent base, LoRA and aLoRA traffic
 over all of them, twice in different orders: adapters are evicted and copied back into KV slots while the tree
 evicts KV, and every output must equal PEFT's (tokens and logprobs). The server runs in test mode: the tree's and
 the pool's invariants after every step (`--multilora-check-invariants`: free + adapter + cached + running KV ==
@@ -45,6 +45,7 @@ VARIANTS = {
     8: {"layers_to_transform": list(range(0, 30, 3)), "lora_alpha": 12.5},
     12: {"target_modules": ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"], "use_rslora": True},
 }
+PICKLED = {16}  # saved as adapter_model.bin (PEFT's safe_serialization=False)
 
 
 def _make_adapters(model_path: str, tokenizer, root) -> list[dict]:
@@ -67,7 +68,7 @@ def _make_adapters(model_path: str, tokenizer, root) -> list[dict]:
                 if "lora_B" in name:
                     p.mul_(0.5)
         name = f"a{i:02d}_r{rank}_{'alora' if alora else 'lora'}"
-        model.save_pretrained(str(root / name))
+        model.save_pretrained(str(root / name), safe_serialization=i not in PICKLED)
         base = model.unload()
         out.append({"name": name, "path": str(root / name), "rank": rank, "alora": alora})
     return out

@@ -151,3 +151,51 @@ def test_alora_invocation_tokens(tmp_path):
 )
 def test_find_invocation_start(ids, invocation, k):
     assert find_invocation_start(ids, invocation) == k
+
+
+def _as_pickled(path):
+    """The adapter at `path` with its weights saved as PEFT's `safe_serialization=False` saves them."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    (path / "adapter_model.safetensors").unlink()
+    torch.save(tensors, str(path / "adapter_model.bin"))
+    return path
+
+
+def test_pickled_weights_load_as_the_safetensors_ones(tmp_path):
+    reference = load_adapter(write_adapter(tmp_path / "st", seed=3), SHAPE)
+    pickled = load_adapter(_as_pickled(write_adapter(tmp_path / "bin", seed=3)), SHAPE)
+    assert sorted(pickled.weights) == sorted(reference.weights)
+    for key, (a, b) in reference.weights.items():
+        assert torch.equal(pickled.weights[key][0], a) and torch.equal(pickled.weights[key][1], b)
+    assert pickled.spec.scaling == reference.spec.scaling and len(pickled.spec.identity) == 64
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch exploited",))
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"not a pickle", "is not a readable PyTorch weights file"),
+    ("exploit", "is not a readable PyTorch weights file"),
+    ([1, 2, 3], "must hold a dict of named tensors"),
+])
+def test_a_pickled_weight_file_runs_no_code_and_bad_ones_are_named(tmp_path, monkeypatch, payload, message):
+    path = _as_pickled(write_adapter(tmp_path / "bad"))
+    if payload == "exploit":
+        import pickle
+
+        (path / "adapter_model.bin").write_bytes(pickle.dumps(_Exploit()))
+    elif isinstance(payload, bytes):
+        (path / "adapter_model.bin").write_bytes(payload)
+    else:
+        torch.save(payload, str(path / "adapter_model.bin"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AdapterError, match="LoRA adapter 'bad'") as info:
+        load_adapter(path, SHAPE)
+    assert message in str(info.value) and "adapter_model.bin" in str(info.value)
+    assert not (tmp_path / "exploited").exists(), "the weight file ran code"
