@@ -20,7 +20,10 @@ import takes slots from the KV allocator (evicting by the tree's policy when sho
 swapper, so the adapter-before-KV rule holds), writes K and V, and inserts the run; tokens the destination already
 caches are not written again. On the unified pool, KV of an adapter joins only while the
 adapter is resident (it is made resident if memory allows; otherwise only an aLoRA's base part is imported).
-Single scheduler only (no data parallelism): the command is fanned out to every rank, and only rank 0 acts.
+Server to server: an import whose body is JSON `{"from": URL, "export": {...}}` pulls the export from that server
+itself, presenting its own admin key there (the cluster's workers share one), so the bytes go worker to worker and
+the caller (the cluster's gateway) sends only the request. Single scheduler only (no data parallelism): the command
+is fanned out to every rank, and only rank 0 acts.
 """
 
 
@@ -42,6 +45,7 @@ COMMAND_PREFIX = "kv-transfer:"
 EXPORT_ROUTE = "/multilora/kv/export"
 IMPORT_ROUTE = "/multilora/kv/import"
 TOKENS_HEADER = "X-Multilora-KV-Tokens"
+PULL_TIMEOUT_S = 120.0
 
 
 class TransferError(ValueError):
@@ -246,6 +250,28 @@ def _write_bytes(path: str, data: bytes) -> None:
         f.write(data)
 
 
+async def _pull(source, export, admin_key: str) -> bytes | None:
+    """The KV export `source` (a server's base URL) answers for `export`, fetched from it directly; None when it
+    caches nothing for those tokens. Raises TransferError naming what failed."""
+    import aiohttp
+
+    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+        raise TransferError(f"'from' must be a server's http(s) URL, got {source!r}")
+    if not isinstance(export, dict):
+        raise TransferError("'export' must be the export's JSON body: {\"input_ids\": [...], \"lora_path\": ...}")
+    url = source.rstrip("/") + EXPORT_ROUTE
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S)) as session:
+            async with session.post(url, json=export, headers={"Authorization": f"Bearer {admin_key}"}) as r:
+                if r.status == 204:
+                    return None
+                if r.status != 200:
+                    raise TransferError(f"the export at {source} answered HTTP {r.status}: {(await r.text())[:300]}")
+                return await r.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise TransferError(f"could not pull the KV export from {source} ({type(e).__name__}: {e})") from None
+
+
 async def _run(command: dict) -> dict:
     from sglang.srt.entrypoints import http_server
     from sglang.srt.managers.io_struct import GetInternalStateReq
@@ -312,10 +338,22 @@ def add_routes(*args, **kwargs):
     @http_server.app.post(IMPORT_ROUTE)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def multilora_kv_import(request: Request):
-        """Body: a KV export (safetensors). Answers {"tokens", "imported", "cached", "reason"}."""
+        """Body: a KV export (safetensors), or JSON {"from": a server's URL, "export": an export body} to pull it
+        from that server directly (server to server, presenting this server's admin key). Answers {"tokens",
+        "imported", "cached", "reason", "bytes"}."""
         if (missing := admin_missing()) is not None:
             return missing
-        data = await request.body()
+        if request.headers.get("content-type", "").startswith("application/json"):
+            try:
+                body = await request.json()
+                data = await _pull(body.get("from"), body.get("export"), http_server.get_serving().admin_api_key)
+            except (ValueError, AttributeError) as e:  # TransferError is a ValueError
+                return error(str(e) if isinstance(e, TransferError) else
+                             "a pull is JSON: {\"from\": \"http://host:port\", \"export\": {\"input_ids\": ...}}")
+            if data is None:
+                return {"tokens": 0, "imported": 0, "cached": 0, "reason": "nothing cached at the source", "bytes": 0}
+        else:
+            data = await request.body()
         if not data:
             return error("the body must be a KV export (a safetensors file from " + EXPORT_ROUTE + ")")
         path = _spool_file()
@@ -327,6 +365,6 @@ def add_routes(*args, **kwargs):
                 os.unlink(path)
         if not answer.get("ok"):
             return error(answer.get("error", "KV import failed"))
-        return {k: answer.get(k) for k in ("tokens", "imported", "cached", "reason")}
+        return {**{k: answer.get(k) for k in ("tokens", "imported", "cached", "reason")}, "bytes": len(data)}
 
     return

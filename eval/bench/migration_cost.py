@@ -3,14 +3,16 @@ the cluster's gateway (sgl_multilora/cluster/carry.py, moves.py) against the sam
 Not here: the cluster itself, or MELL's packing (simulated in eval/sim/cluster.py).
 
 Two CPU workers with the plugin behind smg and our gateway. Per prompt length (`--lengths`, tokens) and adapter
-(the base model and one LoRA), each repeat sends three fresh prompts of that length, one per arm, arm order rotating:
-`stay` streams `--new-tokens` greedy tokens where placement put it; `recompute` and `kv` are moved to the other
-worker (`POST /cluster/migrate` with that kind) once `--move-after` tokens are out. Per request: TTFT, the median gap
+(the base model and one LoRA), each repeat sends four fresh prompts of that length, one per arm, arm order rotating:
+`stay` streams `--new-tokens` greedy tokens where placement put it; `recompute`, `kv` and `kv_relay` are moved to the
+other worker (`POST /cluster/migrate` with that kind; `kv` pulled by the destination from the source, worker to
+worker, `kv_relay` streamed through the gateway) once `--move-after` tokens are out. Per request: TTFT, the median gap
 between chunks, and for a move the stall (the gap from the last chunk before the move to the first one after it:
 the abort, for `kv` the export, transfer and import of the KV, the destination's prefill of what did not arrive, and
 its first decode step) and the end-to-end time. Greedy tokens of each moved request are checked against the same
 prompt left in place (sent once more afterwards). The report gives medians (min-max) over repeats, each stall over
-the stay arm's TTFT at that length, and the KV stall over the recompute stall per repeat.
+the stay arm's TTFT at that length, the KV stall over the recompute stall per repeat, and the pulled KV stall over
+the relayed one.
 
 Usage: .venv/bin/python -m eval.bench.migration_cost [--lengths 256,1024,2048] [--repeats 3]
            [--out eval/results/migration_cost.jsonl]
@@ -38,8 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 ADAPTER = "caps"
 
 
-MOVES = ("recompute", "kv")
+MOVES = ("recompute", "kv", "kv_relay")
 ARMS = ("stay", *MOVES)
+# what each moving arm asks `/cluster/migrate` for: a KV transfer goes worker to worker ("pull") or through the gateway
+MOVE_BODY = {"recompute": {"kind": "recompute"}, "kv": {"kind": "kv", "route": "pull"},
+             "kv_relay": {"kind": "kv", "route": "relay"}}
 
 
 def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: str,
@@ -62,7 +67,7 @@ def run_one(url: str, ids: list[int], lora: str | None, new_tokens: int, rid: st
             counts.append(len(chunk["output_ids"]))
             final = chunk
             if move_after is not None and moved_at is None and counts[-1] >= move_after:
-                res = requests.post(url + "/cluster/migrate", json={"rid": rid, "kind": kind}, headers=admin,
+                res = requests.post(url + "/cluster/migrate", json={"rid": rid, **MOVE_BODY[kind]}, headers=admin,
                                     timeout=60)
                 res.raise_for_status()
                 moved_at = len(times) - 1
@@ -112,7 +117,7 @@ def main(argv=None) -> None:
         for rep, length, lora in trials:
             tag = f"{rep}-{length}-{lora or 'base'}"
             prompts = {arm: prompt_ids(tokenizer, f"migration {tag} {arm}", length) for arm in ARMS}
-            order = ARMS[rep % 3:] + ARMS[:rep % 3]
+            order = ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]
             out = {}
             for arm in order:
                 out[arm] = run_one(cluster.url, prompts[arm], lora, args.new_tokens, f"{arm}-{tag}",
@@ -128,11 +133,14 @@ def main(argv=None) -> None:
                 row.update({f"{arm}_{k}": v for k, v in out[arm].items() if k != "output_ids"})
             rows.append(row)
             bar.write(f"rep {rep} {length:5d} tokens {row['adapter']:5s} TTFT {row['stay_ttft_s']:.2f} s, stall "
-                      f"recompute {row['recompute_stall_s']:.2f} s, kv {row['kv_stall_s']:.2f} s "
+                      f"recompute {row['recompute_stall_s']:.2f} s, kv {row['kv_stall_s']:.2f} s (relayed "
+                      f"{row['kv_relay_stall_s']:.2f} s) "
                       f"({row['kv_migrations'][0].get('kv_tokens')} tokens moved), tokens equal "
-                      f"{row['recompute_tokens_equal']} {row['kv_tokens_equal']}")
+                      f"{row['recompute_tokens_equal']} {row['kv_tokens_equal']} {row['kv_relay_tokens_equal']}")
             bar.update(1)
-        moves = requests.get(cluster.url + "/cluster/stats", timeout=60).json()["migrations"]
+        view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
+        moves = {**view["migrations"], "kv_pulled": view["kv_transfer"]["pulled"],
+                 "kv_relayed": view["kv_transfer"]["relayed"]}
     setup = {"workers": 2, "lengths": lengths, "new_tokens": args.new_tokens, "move_after": args.move_after,
                   "repeats": args.repeats, "adapters": ["base", ADAPTER], "max_total_tokens": args.max_total_tokens,
                   "worker_args": worker_args[2:], "router": "smg 1.13.0", "migrations_counted": moves,
@@ -150,9 +158,9 @@ def report(record: dict) -> str:
               f"{s['move_after']}; {s['repeats']} repeats; {s['protocol']}. Machine: {record['device']}. Stall: the "
               f"gap in the client's stream at the move. Medians (min-max) over repeats."), "",
              ("| prompt tokens | adapter | stay TTFT s | recompute stall s | kv stall s | kv / recompute stall | "
-              "recompute stall / TTFT | kv stall / TTFT | KV moved (tokens, MB) | inter-chunk gap s | tokens equal "
-              "(recompute, kv) |"),
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "recompute stall / TTFT | kv stall / TTFT | kv stall relayed s | kv pulled / relayed stall | "
+              "KV moved (tokens, MB) | inter-chunk gap s | tokens equal (recompute, kv, kv relayed) |"),
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for length in s["lengths"]:
         for adapter in s["adapters"]:
             rs = [r for r in rows if r["length"] == length and r["adapter"] == adapter]
@@ -166,10 +174,12 @@ def report(record: dict) -> str:
                 f"{median_range([r['recompute_stall_s'] for r in rs])} | {median_range([r['kv_stall_s'] for r in rs])} | "
                 f"{median_range([r['kv_stall_s'] / r['recompute_stall_s'] for r in rs])} | "
                 f"{median_range([r['recompute_stall_s'] / r['stay_ttft_s'] for r in rs])} | "
-                f"{median_range([r['kv_stall_s'] / r['stay_ttft_s'] for r in rs])} | {tokens:.0f}, {mb:.1f} | "
+                f"{median_range([r['kv_stall_s'] / r['stay_ttft_s'] for r in rs])} | "
+                f"{median_range([r['kv_relay_stall_s'] for r in rs])} | "
+                f"{median_range([r['kv_stall_s'] / r['kv_relay_stall_s'] for r in rs])} | {tokens:.0f}, {mb:.1f} | "
                 f"{median_range([r['stay_median_gap_s'] for r in rs], '{:.3f}')} | "
                 f"{sum(r['recompute_tokens_equal'] for r in rs)}/{len(rs)}, {sum(r['kv_tokens_equal'] for r in rs)}/"
-                f"{len(rs)} |")
+                f"{len(rs)}, {sum(r['kv_relay_tokens_equal'] for r in rs)}/{len(rs)} |")
     lines += ["", f"Moves counted by the gateway: {s['migrations_counted']}."]
     return "\n".join(lines) + "\n"
 

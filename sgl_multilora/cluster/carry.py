@@ -186,6 +186,7 @@ class CarriedRequest:
         self.migrations: list[dict] = []
         self.move_to: int | None = None  # asked for, not done yet
         self.move_kind: str | None = None  # "kv" or "recompute" when the move's asker chose; None: the cost model
+        self.move_route: str | None = None  # a KV move's route when the asker chose ("pull" or "relay")
         self.client_aborted = False
         self.failures: list[str] = []
         self.response: web.StreamResponse | None = None
@@ -258,10 +259,10 @@ class CarriedRequest:
     def _headers(self) -> dict:
         return {ROUTED_HEADER: self.answered_by} if self.answered_by else {}
 
-    async def ask_move(self, dst: int, kind: str | None = None) -> None:
+    async def ask_move(self, dst: int, kind: str | None = None, route: str | None = None) -> None:
         """Moves the request to worker `dst` at the next chunk (aborts it where it runs); `kind` "kv" or
-        "recompute" overrides the gateway's choice for this move."""
-        self.move_to, self.move_kind = dst, kind
+        "recompute" overrides the gateway's choice for this move, `route` ("pull", "relay") a KV move's route."""
+        self.move_to, self.move_kind, self.move_route = dst, kind, route
         await self._abort_upstream()
 
     async def client_abort(self) -> None:

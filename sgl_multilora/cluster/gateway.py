@@ -117,7 +117,7 @@ class Gateway(MovesMixin):
         self.link_bytes_per_s = INITIAL_LINK_BYTES_PER_S  # measured over KV transfers
         self.memory_reads: dict[int, tuple[float, asyncio.Future]] = {}  # worker -> its last /multilora/stats read
         self.clock = time.monotonic
-        self.kv_moves = {"tokens": 0, "bytes": 0, "seconds": 0.0, "failed": 0}
+        self.kv_moves = {"tokens": 0, "bytes": 0, "seconds": 0.0, "failed": 0, "pulled": 0, "relayed": 0}
         self.balancer, self.balance_epoch_s = balancer, balance_epoch_s
         self.balanced_moves = 0
         self._balancing: asyncio.Task | None = None

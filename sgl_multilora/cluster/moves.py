@@ -67,6 +67,13 @@ def worker_memory(stats) -> WorkerMemory:
                         recompute_s_per_token=positive(pool.get("recompute_s_per_token"), float))
 
 
+def _transferred(answer: dict, size: int, how: str) -> dict:
+    """A transfer's result from the destination's import answer."""
+    imported = int(answer.get("imported") or 0)
+    return {"tokens": imported + int(answer.get("cached") or 0), "imported": imported, "bytes": size, "how": how,
+            "reason": answer.get("reason")}
+
+
 class MovesMixin:
     """Needs from the gateway: session, worker_urls, placement, in_flight, carried, migrations, down_events,
     relearned, _relearning, learn_order(), migration (one of MIGRATION_KINDS), link_bytes_per_s, kv_moves,
@@ -122,21 +129,59 @@ class MovesMixin:
         return plan.kind, {"kv_s": round(model.kv_seconds(move), 4),
                            "recompute_s": round(model.recompute_seconds(move), 4), "over_budget": plan.over_budget}
 
-    async def transfer_kv(self, src: int, dst: int, export: dict) -> dict:
-        """Exports the KV of `export["input_ids"]` at `src` and imports it at `dst`: {"tokens": KV tokens the
-        destination holds for them now, "bytes", "seconds"} ("error" instead when it failed: the move recomputes)."""
+    async def transfer_kv(self, src: int, dst: int, export: dict, route: str = "pull") -> dict:
+        """Moves the KV `src` caches for `export["input_ids"]` into `dst`'s tree: {"tokens": KV tokens the
+        destination holds for them now, "bytes", "seconds", "how"} ("error" instead when it failed: the move
+        recomputes). The destination pulls it from the source itself (worker to worker); when that fails (a
+        worker that cannot reach the other, or pulls not served), the gateway relays it; `route` "relay" relays it
+        at once."""
         began = time.perf_counter()
+        if route == "pull":
+            done = await self._pull_kv(src, dst, export)
+            if "error" in done:
+                logger.warning("KV pull %d -> %d failed (%s); relaying it through the gateway", src, dst,
+                               done["error"])
+                done = await self._relay_kv(src, dst, export)
+        else:
+            done = await self._relay_kv(src, dst, export)
+        if "error" in done:
+            return done
+        seconds, size = time.perf_counter() - began, done["bytes"]
+        if size:
+            self.link_bytes_per_s += LINK_EMA * (size / max(seconds, 1e-6) - self.link_bytes_per_s)
+        self.kv_moves["bytes"] += size
+        self.kv_moves["seconds"] += seconds
+        self.kv_moves["tokens"] += done["imported"]
+        self.kv_moves[done["how"]] += bool(done["tokens"])  # transfers that moved something, by route
+        return {**done, "seconds": seconds}
+
+    async def _pull_kv(self, src: int, dst: int, export: dict) -> dict:
+        """`dst` fetches the export from `src` itself (`POST /multilora/kv/import {"from", "export"}`)."""
+        try:
+            async with self.session.post(self.worker_urls[dst] + "/multilora/kv/import",
+                                         json={"from": self.worker_urls[src], "export": export},
+                                         headers=self.admin_headers(),
+                                         timeout=aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    return {"error": f"pull by worker {dst}: HTTP {r.status} {(await r.text())[:300]}"}
+                answer = await r.json()
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            return {"error": f"{type(e).__name__} {e}"}
+        return _transferred(answer, int(answer.get("bytes") or 0), "pulled")
+
+    async def _relay_kv(self, src: int, dst: int, export: dict) -> dict:
+        """The export streams from `src` through the gateway into `dst`'s import (no copy held here)."""
         timeout = aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S)
         try:
             async with self.session.post(self.worker_urls[src] + "/multilora/kv/export", json=export,
                                          headers=self.admin_headers(), timeout=timeout) as r:
                 if r.status == 204:
-                    return {"tokens": 0, "bytes": 0, "seconds": time.perf_counter() - began}
+                    return _transferred({"reason": "nothing cached at the source"}, 0, "relayed")
                 if r.status != 200:
                     return {"error": f"export at worker {src}: HTTP {r.status} {(await r.text())[:300]}"}
                 sent = [0]
 
-                async def relay():  # the export streams into the import as it arrives (no copy held here)
+                async def relay():
                     async for piece in r.content.iter_chunked(1 << 20):
                         sent[0] += len(piece)
                         yield piece
@@ -150,20 +195,14 @@ class MovesMixin:
                     answer = await r2.json()
         except (TimeoutError, aiohttp.ClientError) as e:
             return {"error": f"{type(e).__name__} {e}"}
-        seconds, size = time.perf_counter() - began, sent[0]
-        rate = size / max(seconds, 1e-6)
-        self.link_bytes_per_s += LINK_EMA * (rate - self.link_bytes_per_s)
-        self.kv_moves["bytes"] += size
-        self.kv_moves["seconds"] += seconds
-        self.kv_moves["tokens"] += int(answer.get("imported") or 0)
-        return {"tokens": int(answer.get("imported") or 0) + int(answer.get("cached") or 0), "bytes": size,
-                "seconds": seconds, "reason": answer.get("reason")}
+        return _transferred(answer, sent[0], "relayed")
 
     async def carry_kv(self, carried: CarriedRequest, src: int, dst: int) -> tuple[str, dict]:
         """The move of a carried request from a live `src`: its KV transferred when the plan says so. Returns
         (kind done, details for the request's migration record)."""
         token_ids = carried.prompt_ids + carried.done_ids
         forced, carried.move_kind = carried.move_kind, None
+        route, carried.move_route = carried.move_route or "pull", None
         if forced is not None and (forced == "recompute" or self.admin_key):
             kind, why = forced, {"why": "asked for"}
         else:
@@ -172,7 +211,7 @@ class MovesMixin:
             return "recompute", why
         export = {"input_ids": token_ids, "lora_path": carried.adapter, "prompt_ids": carried.prompt_ids,
                   "extra_key": carried.body.get("extra_key"), "cache_salt": carried.body.get("cache_salt")}
-        done = await self.transfer_kv(src, dst, export)
+        done = await self.transfer_kv(src, dst, export, route)
         if "error" in done or done["tokens"] == 0:
             logger.warning("request %s: KV transfer %d -> %d gave nothing (%s); recomputing", carried.rid, src, dst,
                            done.get("error") or done.get("reason") or "nothing cached at the source")
@@ -266,9 +305,10 @@ class MovesMixin:
             self._relearning = asyncio.create_task(self.learn_order())
 
     async def migrate(self, request: web.Request) -> web.Response:
-        """`POST /cluster/migrate {"rid": ..., "to": worker, "kind": "kv" | "recompute"}`: moves a running request;
-        without "to", to the worker placement picks among the others; without "kind", KV transfer or recompute as
-        the cost model says (`plan_move`)."""
+        """`POST /cluster/migrate {"rid": ..., "to": worker, "kind": "kv" | "recompute", "route": "pull" |
+        "relay"}`: moves a running request; without "to", to the worker placement picks among the others; without
+        "kind", KV transfer or recompute as the cost model says (`plan_move`); a KV transfer goes worker to worker
+        ("pull", the default) or through the gateway ("relay")."""
         try:
             body = await request.json()
         except ValueError:
@@ -281,6 +321,9 @@ class MovesMixin:
         if kind not in (None, "kv", "recompute"):
             return web.json_response({"error": f"kind must be \"kv\" or \"recompute\" (or left out: the gateway "
                                                f"picks), got {kind!r}"}, status=400)
+        route = body.get("route")
+        if route not in (None, "pull", "relay"):
+            return web.json_response({"error": f"route must be \"pull\" or \"relay\", got {route!r}"}, status=400)
         to = body.get("to")
         if to is None:
             to = self.pick_other(carried.adapter, carried.prompt, exclude=carried.worker)
@@ -292,7 +335,7 @@ class MovesMixin:
             return web.json_response({"error": f"request {carried.rid} is on worker {carried.worker} "
                                                f"(moving to {carried.move_to})"}, status=409)
         source = carried.worker
-        await carried.ask_move(to, kind)
+        await carried.ask_move(to, kind, route)
         return web.json_response({"rid": carried.rid, "from": source, "to": to, "kind": kind}, status=202)
 
     async def _carry(self, request: web.Request, body: dict, adapter: str | None, prompt: str,

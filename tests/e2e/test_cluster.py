@@ -218,6 +218,7 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     assert_matches(final, oracle.greedy(caps["path"], ids, n, ignore_eos=True), f"{name} moved with its KV")
     view = http.get(cluster.url + "/cluster/stats", timeout=60).json()
     assert view["migrations"]["kv"] >= 1 and view["kv_transfer"]["tokens"] > 0, view["kv_transfer"]
+    assert view["kv_transfer"]["pulled"] >= 1 and view["kv_transfer"]["relayed"] == 0, view["kv_transfer"]  # worker to worker
     m = wait_idle(SimpleNamespace(url=cluster.worker_urls[dst], headers=cluster.client_headers))
     slots = m["unified_pool"]["slots"]
     assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
@@ -381,6 +382,16 @@ def test_kv_routes_are_admin_only_and_refuse_what_does_not_fit(cluster, tokenize
     hit = http.post(b + "/generate", timeout=300, json={
         "input_ids": ids, "lora_path": "json", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
     assert hit["meta_info"]["cached_tokens"] == len(ids) - 1, hit["meta_info"]
+    # server to server: b pulls a's export itself (with its own admin key); bad sources are named
+    pull = {"input_ids": ids, "lora_path": "json"}
+    for source, says in (("file:///etc/passwd", "must be a server's http(s) URL"),
+                         ("http://127.0.0.1:9", "could not pull the KV export from http://127.0.0.1:9")):
+        bad = http.post(b + "/multilora/kv/import", json={"from": source, "export": pull}, headers=admin, timeout=60)
+        assert bad.status_code == 400 and says in bad.text, bad.text
+    assert http.post(b + "/flush_cache", headers=admin, timeout=60).status_code == 200
+    pulled = http.post(b + "/multilora/kv/import", json={"from": a, "export": pull}, headers=admin, timeout=60)
+    assert pulled.status_code == 200, pulled.text
+    assert pulled.json()["imported"] == len(ids) and pulled.json()["bytes"] == len(data), pulled.json()
 
 
 def test_mell_balancer_moves_a_growing_request_and_outputs_stay_exact(cluster, tokenizer):
