@@ -196,7 +196,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=MultiLoRAArgs.max_adapter_mb,
         metavar="MB",
-        help="Largest adapter weight file (adapter_model.safetensors) the server loads, in MiB.",
+        help="Largest adapter weight file (adapter_model.safetensors or .bin) the server loads, in MiB.",
     )
     group.add_argument(
         "--multilora-check-invariants",

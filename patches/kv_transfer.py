@@ -202,6 +202,11 @@ def import_kv(scheduler, command: dict) -> dict:
     allocator = cache.token_to_kv_pool_allocator
     began = time.perf_counter()
     tree.lock(match.last_node)  # making room never evicts the prefix this run hangs below
+    # nor the adapter the run depends on: with no KV of its own yet, nothing else holds it, and it was evicted for
+    # the room its own KV needed (a 2,058-token move then found "adapter not resident")
+    pinned = key.adapter.identity if key.adapter is not None and cache.memory is not None else None
+    if pinned is not None:
+        cache.memory.residency.acquire(pinned)
     try:
         slots = allocator.alloc(need)
         if slots is None:
@@ -209,10 +214,6 @@ def import_kv(scheduler, command: dict) -> dict:
             slots = allocator.alloc(need)
         if slots is None:
             return {"tokens": len(token_ids), "imported": 0, "cached": start, "reason": "no free KV memory"}
-        if key.adapter is not None and cache.memory is not None \
-                and not cache.memory.residency.is_resident(key.adapter.identity):
-            allocator.free(slots)  # making room evicted the adapter itself: its KV may not join (dependency rule)
-            return {"tokens": len(token_ids), "imported": 0, "cached": start, "reason": "adapter not resident"}
         rows = slots.to(device=k_buffers[0].device, dtype=torch.int64)
         for layer in range(len(k_buffers)):
             k_buffers[layer].index_copy_(0, rows, k[layer, start:n].to(k_buffers[layer].device))
@@ -224,6 +225,8 @@ def import_kv(scheduler, command: dict) -> dict:
             allocator.mark_cached(new)
     finally:
         tree.unlock(match.last_node)
+        if pinned is not None:
+            cache.memory.residency.release(pinned)
     logger.info("imported %d tokens of KV (%d cached already) in %.3f s", need, start, time.perf_counter() - began)
     return {"tokens": len(token_ids), "imported": need, "cached": start, "reason": reason}
 

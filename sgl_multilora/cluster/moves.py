@@ -218,7 +218,7 @@ class MovesMixin:
             self.kv_moves["failed"] += 1
             return "recompute", {**why, "kv_error": done.get("error") or done.get("reason") or "nothing cached"}
         return "kv", {**why, "kv_tokens": done["tokens"], "kv_bytes": done["bytes"],
-                      "kv_seconds": round(done["seconds"], 4)}
+                      "kv_seconds": round(done["seconds"], 4), "kv_route": done["how"]}
 
     async def _healthy(self, worker: int) -> bool:
         try:

@@ -210,7 +210,7 @@ def test_request_moved_with_its_kv_reuses_it_and_matches_peft(cluster, manifest,
     [move] = final["meta_info"]["migrations"]
     assert (move["from"], move["to"], move["kind"]) == (src, dst, "kv"), move
     held = len(ids) + move["at_token"]  # prompt and output at the abort; the last token's KV is not computed yet
-    assert held - 1 <= move["kv_tokens"] <= held and move["kv_bytes"] > 0, move
+    assert held - 1 <= move["kv_tokens"] <= held and move["kv_bytes"] > 0 and move["kv_route"] == "pulled", move
     # the destination computes at least the last token itself; everything before it came from the import
     assert final["meta_info"]["cached_tokens"] >= min(move["kv_tokens"], held - 1), (final["meta_info"], move)
     direct = http.post(cluster.worker_urls[src] + "/generate", json=body, timeout=300).json()
