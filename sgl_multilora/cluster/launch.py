@@ -36,6 +36,7 @@ LORA_AWARE = "lora_aware"
 POLICIES = (LORA_AWARE, *SMG_POLICIES)
 # Flags the launcher sets itself on every worker.
 RESERVED_WORKER_FLAGS = ("--host", "--port")
+PORT_TRIES = 3  # starts of the router or the gateway on new ports when theirs is taken
 ADMIN_KEY_FLAG = "--admin-api-key"
 ADMIN_KEY_ENV = "SGL_MULTILORA_WORKER_ADMIN_KEY"  # how the gateway gets it (gateway.py reads it)
 # The workers' `--api-key`, when the operator gives one: smg gets it too (it presents it to the workers and wants it
@@ -100,15 +101,19 @@ class Cluster:
         self.env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         self.python = python
         self.gateway_args = list(gateway_args)
-        self.router_port = router_port or free_port()
+        self._ports: set[int] = set()  # every port handed out here: free_port() alone may return one twice
+        self.router_port = router_port or self._free_port()
+        self._router_port_fixed = router_port is not None
+        self._ports.add(self.router_port)
         self.worker_ports = ([self.router_port + 1 + i for i in range(num_workers)] if router_port
-                             else [free_port() for _ in range(num_workers)])
-        self.metrics_port = free_port()
+                             else [self._free_port() for _ in range(num_workers)])
+        self._ports.update(self.worker_ports)
+        self.metrics_port = self._free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sgl_multilora_cluster_"))
         self.workers: list[ServerHandle] = []
         self.router: ServerHandle | None = None
         self.gateway: ServerHandle | None = None
-        self.gateway_port = free_port() if policy == LORA_AWARE else None
+        self.gateway_port = self._free_port() if policy == LORA_AWARE else None
         # The workers' admin key: the gateway moves KV through their admin routes (patches/kv_transfer.py). The
         # operator's own `--admin-api-key`, or one made here (readable by the owner only, in the log directory).
         if ADMIN_KEY_FLAG in self.worker_args:
@@ -120,6 +125,14 @@ class Cluster:
             self.admin_key_file = self.log_dir / "admin-api-key"
         self.api_key = (self.worker_args[self.worker_args.index(API_KEY_FLAG) + 1]
                         if API_KEY_FLAG in self.worker_args else None)
+
+    def _free_port(self) -> int:
+        """A free port none of this cluster's processes was given (a worker that took the router's port made the
+        router fail to start: "Address already in use")."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -187,14 +200,39 @@ class Cluster:
         return self
 
     def _start_front(self) -> None:
-        self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
-        self._wait([self.router], "/readiness", "router")
+        def router():
+            self.router = _spawn(self.router_command(), self.log_dir / "router.log", self.router_url)
+            return self.router
+
+        def gateway():
+            url = f"http://{self.host}:{self.gateway_port}"
+            self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", url,
+                                  {**self.env, ADMIN_KEY_ENV: self.admin_api_key, API_KEY_ENV: self.api_key or ""})
+            return self.gateway
+
+        def new_router_ports():
+            self.router_port, self.metrics_port = self._free_port(), self._free_port()
+
+        self._start_bound(router, "/readiness", "router", new_router_ports, fixed=self._router_port_fixed)
         self._wait_registered()
         if self.gateway_port:
-            gateway_url = f"http://{self.host}:{self.gateway_port}"
-            self.gateway = _spawn(self.gateway_command(), self.log_dir / "gateway.log", gateway_url,
-                                  {**self.env, ADMIN_KEY_ENV: self.admin_api_key, API_KEY_ENV: self.api_key or ""})
-            self._wait([self.gateway], "/cluster/stats", "gateway")
+            self._start_bound(gateway, "/cluster/stats", "gateway",
+                              lambda: setattr(self, "gateway_port", self._free_port()))
+
+    def _start_bound(self, start, path: str, what: str, new_ports, fixed: bool = False) -> None:
+        """`start()` until what it starts answers `path`. A worker's SGLang takes free ports of its own (its
+        process group's init port, near its HTTP port) after ours were chosen and may take one of them: a front
+        that finds its port in use moves to new ones (`new_ports()`), unless its port was the operator's."""
+        for attempt in range(PORT_TRIES):
+            handle = start()
+            try:
+                self._wait([handle], path, what)
+                return
+            except ClusterError as e:
+                if "address already in use" not in str(e).lower() or fixed or attempt == PORT_TRIES - 1:
+                    raise
+                handle.stop()
+                new_ports()
 
     def _stop_front(self) -> None:
         for handle in (self.gateway, self.router):
@@ -208,7 +246,7 @@ class Cluster:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self._stop_front()
         self.policy = policy
-        self.gateway_port = (self.gateway_port or free_port()) if policy == LORA_AWARE else None
+        self.gateway_port = (self.gateway_port or self._free_port()) if policy == LORA_AWARE else None
         try:
             self._start_front()
         except BaseException:
