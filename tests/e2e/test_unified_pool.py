@@ -170,9 +170,21 @@ def _load(server, name: str, path: str) -> requests.Response:
     return requests.post(server.url + "/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=120)
 
 
-def test_adapters_with_parts_no_lora_layer_holds_are_refused_by_name(server, model_path, tokenizer, tmp_path):
-    bias = _save_peft(model_path, tmp_path, "with_bias", r=8, target_modules=["q_proj", "v_proj"], bias="lora_only")
-    saved = _save_peft(model_path, tmp_path, "with_head", r=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+def _with_config(adapter: dict, root, name: str, **fields) -> str:
+    """A copy of `adapter`'s directory whose config sets `fields` (as PEFT writes them)."""
+    import json
+    import shutil
+
+    path = root / name
+    shutil.copytree(adapter["path"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return str(path)
+
+
+def test_adapters_with_parts_no_lora_layer_holds_are_refused_by_name(server, adapters, tokenizer, tmp_path):
+    bias = _with_config(adapters[2], tmp_path, "with_bias", bias="lora_only")
+    saved = _with_config(adapters[2], tmp_path, "with_head", modules_to_save=["lm_head"])
     for name, path, says in [("with_bias", bias, "'bias': 'lora_only'"), ("with_head", saved, "'modules_to_save'")]:
         res = _load(server, name, path)
         assert res.status_code == 400, res.text
