@@ -205,8 +205,10 @@ def _weight_keys(path: str | os.PathLike) -> list[str]:
             return list(_load_pickled(file, ""))
         except AdapterError:
             return []
+    if file is None:
+        return []
     try:
-        with open(Path(path) / WEIGHTS_FILE, "rb") as f:
+        with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size <= MAX_SAFETENSORS_HEADER:
                 return []
@@ -217,7 +219,7 @@ def _weight_keys(path: str | os.PathLike) -> list[str]:
 
 
 def weight_modules(path: str | os.PathLike) -> tuple[str, ...]:
-    """The module names (sorted) that `path`'s weight file holds per-layer LoRA weights for (header only)."""
+    """The module names (sorted) that `path`'s weight file holds per-layer LoRA weights for."""
     return tuple(sorted({m.group(2) for k in _weight_keys(path) if (m := _WEIGHT_KEY.search(k)) is not None}))
 
 

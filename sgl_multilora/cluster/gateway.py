@@ -51,7 +51,7 @@ from aiohttp import web
 
 from sgl_multilora.cluster.balance import LiveBalancer
 from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
-from sgl_multilora.cluster.launch import ADMIN_KEY_ENV, API_KEY_ENV
+from sgl_multilora.cluster.launch import ADMIN_KEY_ENV, API_KEY_ENV, bearer
 from sgl_multilora.cluster.moves import (
     INITIAL_LINK_BYTES_PER_S,
     MIGRATION_KINDS,
@@ -128,7 +128,7 @@ class Gateway(MovesMixin):
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                             headers=_bearer(self.api_key))
+                                             headers=bearer(self.api_key))
         await self.learn_order()
         await self.learn_alora()
         async with self.session.get(self.worker_urls[0] + "/get_server_info") as r:
@@ -288,10 +288,6 @@ class Gateway(MovesMixin):
                                   "down_events": self.down_events, "workers": list(workers)})
 
 
-def _bearer(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def required_key(path: str, api_key: str | None, admin_key: str | None) -> str | None:
     """The key a request for `path` must present, or None (open): probes are open; the admin paths want the admin
     key, or the API key when there is no admin key; every other path the API key."""
@@ -333,7 +329,7 @@ def _kv_capacity(url: str, api_key: str | None = None) -> int:
     """A worker's KV token slots, from its `/multilora/stats` (its `--max-total-tokens`)."""
     import urllib.request
 
-    with urllib.request.urlopen(urllib.request.Request(url + "/multilora/stats", headers=_bearer(api_key)),
+    with urllib.request.urlopen(urllib.request.Request(url + "/multilora/stats", headers=bearer(api_key)),
                                 timeout=60) as r:
         kv_tokens = worker_memory(json.loads(r.read())).kv_tokens
     if kv_tokens is None:

@@ -53,7 +53,8 @@ def smg_available() -> bool:
     return importlib.util.find_spec("smg") is not None
 
 
-def _bearer(key: str | None) -> dict[str, str]:
+def bearer(key: str | None) -> dict[str, str]:
+    """The `Authorization` header that presents `key` (none without a key)."""
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -138,13 +139,13 @@ class Cluster:
     def admin_headers(self) -> dict[str, str]:
         """What a client sends to a worker's admin routes (`/flush_cache`, `/load_lora_adapter`, ...) and to the
         gateway's `/cluster/migrate`."""
-        return _bearer(self.admin_api_key)
+        return bearer(self.admin_api_key)
 
     @property
     def client_headers(self) -> dict[str, str]:
         """What a client sends with every other request: the workers' `--api-key` when they have one (the router
         and the gateway want it too), else nothing."""
-        return _bearer(self.api_key)
+        return bearer(self.api_key)
 
     @property
     def router_url(self) -> str:

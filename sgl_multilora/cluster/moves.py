@@ -26,6 +26,7 @@ from aiohttp import web
 
 from sgl_multilora.cluster.carry import HEALTH_TIMEOUT_S, ROUTED_HEADER, CarriedRequest
 from sgl_multilora.cluster.cost import MigrationCostModel
+from sgl_multilora.cluster.launch import bearer
 from sgl_multilora.cluster.openai_view import CompletionView
 from sgl_multilora.cluster.placement import NoWorkerError
 from sgl_multilora.cluster.records import Move
@@ -83,7 +84,7 @@ class MovesMixin:
     # ---- KV or recompute ----------------------------------------------------------------------------------------
 
     def admin_headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        return bearer(self.admin_key)
 
     async def _memory(self, worker: int) -> WorkerMemory:
         """The worker's figures from its `/multilora/stats`, as read within the last `STATS_TTL_S` (callers at the
