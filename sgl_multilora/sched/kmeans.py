@@ -63,7 +63,8 @@ class _Prefix:
         """Segment starts for sorted centroids (plus n at the end); None if a segment is empty."""
         idx = [0]
         for lo, hi in pairwise(centroids):
-            idx.append(bisect.bisect_left(self.xs, (lo + hi) / 2))
+            mid = (lo + hi) / 2  # rounds onto lo for adjacent floats (0 and 5e-324): then split just above lo
+            idx.append(bisect.bisect_left(self.xs, mid) if lo < mid else bisect.bisect_right(self.xs, lo))
         idx.append(len(self.xs))
         if any(a >= b for a, b in pairwise(idx)):
             return None
