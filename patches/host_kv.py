@@ -15,8 +15,9 @@ How a request gets its history back, in SGLang's terms (the same calls SGLang's 
    match) and SGLang recomputes them.
 3. Evicted leaves spill: the swapper's `on_evict_kv` writes the leaf's whole path (only what the host lacks).
 
-Copies are synchronous on CPU. On CUDA the host tensors are pinned and both directions are issued non-blocking
-on the scheduler's current stream, so they are ordered with the forward passes that read or overwrite the slots.
+Copies are synchronous on CPU. On CUDA the host pool is pinned and the copies run on a side stream, overlapped
+with the forward passes (`HostKVStore` says how each direction is ordered with the kernels that read or reuse the
+slots).
 
 Why not SGLang's HiCache (`--enable-hierarchical-cache`): its `HiRadixCache` is another prefix-cache class (the
 backend registry gives a server one), keyed by tokens and extra_key strings only, with no adapter nodes, aLoRA
@@ -43,21 +44,53 @@ EMA = 0.2
 PREFETCH_CANDIDATES = 16  # host leaves the idle swap-in considers per tick, highest score first
 
 
+def contiguous_runs(ids) -> list[tuple[int, int, int]]:
+    """(position in `ids`, first id, length) of each maximal run of consecutive ids, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, i in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == i:
+            p, first, n = runs[-1]
+            runs[-1] = (p, first, n + 1)
+        else:
+            runs.append((pos, i, 1))
+    return runs
+
+
 class HostKVStore:
     """`capacity` host slots of one token's K and V over every layer, and the copies to and from SGLang's
-    `k_buffer[l]` / `v_buffer[l]`. Memory is reserved, not touched: pages are committed as slots are written."""
+    `k_buffer[l]` / `v_buffer[l]`. Memory is reserved, not touched on CPU: pages are committed as slots are
+    written (on CUDA the pool is pinned, so it is committed at once).
+
+    Layout: slot-major, `host_k[slot]` is one token's K over all layers, so a run of consecutive host slots is one
+    contiguous block and crosses PCIe as one DMA:
+
+    ```
+    host_k  (capacity, layers, heads, dim)      device k_buffer[l]  (size, heads, dim), one per layer
+    slot 7: [l0 | l1 | ... | lL-1]  <--copy--   gather rows d of every layer -> staging (n, layers, heads, dim)
+    slot 8: [l0 | l1 | ... | lL-1]
+    ```
+
+    On CUDA the copies run on a side stream (`copy_stream`), overlapped with the forward passes:
+    - write (spill): the rows are gathered on the current stream into a device staging tensor (a device-speed
+      read of the slots, so the evicted slots may be reused by the next kernel at once), then copied device ->
+      pinned host on the side stream, one DMA per run of host slots; nothing waits on it.
+    - read (load-back): host -> device staging on the side stream, then the current stream waits for that copy
+      alone and scatters the rows into the KV buffers, so the forward that reads them is ordered after it.
+    Host slots are only ever touched by copies on the side stream, so writes and reads of one slot are ordered
+    among themselves; the CPU never reads or writes the pinned pool while a copy may be in flight."""
 
     def __init__(self, k_buffers, v_buffers, capacity: int) -> None:
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         self.device = k_buffers[0].device
-        pin = self.device.type == "cuda"
-        self.non_blocking = pin
+        self.on_cuda = self.device.type == "cuda"
         k0, v0 = k_buffers[0], v_buffers[0]
         layers = len(k_buffers)
-        self.host_k = torch.empty((layers, capacity, *k0.shape[1:]), dtype=k0.dtype, pin_memory=pin)
-        self.host_v = torch.empty((layers, capacity, *v0.shape[1:]), dtype=v0.dtype, pin_memory=pin)
+        self.host_k = torch.empty((capacity, layers, *k0.shape[1:]), dtype=k0.dtype, pin_memory=self.on_cuda)
+        self.host_v = torch.empty((capacity, layers, *v0.shape[1:]), dtype=v0.dtype, pin_memory=self.on_cuda)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.capacity = capacity
         self._free = list(range(capacity - 1, -1, -1))  # a stack: low ids first
+        self.num_copies = 0  # DMAs issued (CUDA) or index copies (CPU), for the stats
 
     @property
     def num_used(self) -> int:
@@ -66,26 +99,54 @@ class HostKVStore:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        ids = self._free[-n:][::-1]
+        ids = sorted(self._free[-n:])  # ascending: freed slots coalesce into runs (fewer DMAs)
         del self._free[-n:]
         return ids
 
     def free(self, host_ids: list[int]) -> None:
         self._free.extend(host_ids)
 
+    def _device_index(self, values) -> torch.Tensor:
+        """`values` as an index tensor on the device, without blocking the CPU on the current stream (a pageable
+        host-to-device copy would wait for the kernels already queued, i.e. the running forward pass)."""
+        index = torch.tensor(list(values), dtype=torch.int64)
+        if not self.on_cuda:
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
+
     def write(self, host_ids: list[int], device_values) -> None:
-        h = torch.tensor(host_ids, dtype=torch.int64)
-        d = torch.tensor(list(device_values), dtype=torch.int64, device=self.device)
+        d = self._device_index(device_values)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
-            for layer, buffer in enumerate(buffers):
-                host[layer].index_copy_(0, h, buffer.index_select(0, d).to("cpu", non_blocking=self.non_blocking))
+            staging = torch.stack([b.index_select(0, d) for b in buffers], dim=1)  # (n, layers, ...)
+            if not self.on_cuda:
+                host.index_copy_(0, torch.tensor(host_ids, dtype=torch.int64), staging)
+                self.num_copies += 1
+                continue
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for pos, first, n in contiguous_runs(host_ids):
+                    host[first:first + n].copy_(staging[pos:pos + n], non_blocking=True)
+                    self.num_copies += 1
+            staging.record_stream(self.copy_stream)
 
     def read(self, host_ids, device_values) -> None:
-        h = torch.tensor(list(host_ids), dtype=torch.int64)
-        d = torch.tensor(list(device_values), dtype=torch.int64, device=self.device)
+        host_ids = list(host_ids)
+        d = self._device_index(device_values)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
+            if not self.on_cuda:
+                rows = host.index_select(0, torch.tensor(host_ids, dtype=torch.int64))
+                self.num_copies += 1
+            else:
+                current = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(self.copy_stream):
+                    rows = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                    for pos, first, n in contiguous_runs(host_ids):
+                        rows[pos:pos + n].copy_(host[first:first + n], non_blocking=True)
+                        self.num_copies += 1
+                current.wait_stream(self.copy_stream)
+                rows.record_stream(current)
             for layer, buffer in enumerate(buffers):
-                buffer.index_copy_(0, d, host[layer].index_select(0, h).to(self.device, non_blocking=self.non_blocking))
+                buffer.index_copy_(0, d, rows[:, layer])
 
 
 class LiveHostTier:
