@@ -1,12 +1,13 @@
 """Segmented LoRA kernels: our Triton shrink + expand vs the layer's dense base GEMM, a memory roofline, and SGLang's
-own Triton LoRA kernels, at Llama-3-8B projection shapes (one JSON line per shape).
+own LoRA kernels (its default csgmv backend and its triton one), at Llama-3-8B projection shapes (one JSON line per shape).
 Not here: the kernels (sgl_multilora/triton_kernels/) or their correctness tests (tests/kernels/).
 
 On a GPU: bf16, ranks 16 and 64, modules qkv (4096 -> 4096 + 1024 + 1024), o (4096 -> 4096), gate_up
 (4096 -> 2 x 14336) and down (14336 -> 4096); decode batches of 1..256 tokens (one token per request) on 1..64
 adapters, prefill of 512..8192 tokens. Every timed op is first checked against the torch reference. Roofline bytes:
 x read, y read and written, each segment's weights read once (the shrink intermediate is ignored); bandwidth is a
-measured device-to-device copy. SGLang's kernels run with its eager per-request metadata (LoRABatchInfo).
+measured device-to-device copy. SGLang's kernels run with the metadata each backend builds in eager mode
+(eval/bench/sglang_kernels.py, which also stages them where SGLang is not installed).
 On a CPU: the torch references at a few shapes (fp32), and the record says plainly that no GPU figures exist.
 
 Usage: .venv/bin/python -m eval.bench.lora_kernels [--quick] [--out eval/results/lora_kernels.jsonl]
@@ -109,33 +110,46 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (us * 1e-6)
 
 
-def sglang_triton(x, buffers, module: str, weights: LoRAWeights, token_slot, num_requests: int):
-    """A closure running SGLang 0.5.23's Triton LoRA kernels on the same problem, or None if they do not load."""
+def sglang_kernels(x, buffers, module: str, weights: LoRAWeights, token_slot, num_requests: int, backend: str):
+    """A closure running SGLang 0.5.23's LoRA kernels of `backend` ("triton" or "csgmv", its default) on the same
+    problem with the metadata that backend builds, or None if they do not import (see eval/bench/sglang_kernels.py
+    for running them where SGLang is not installed)."""
     try:
-        from sglang.kernels.ops.lora.dense.gate_up_lora_b import gate_up_lora_b_fwd
-        from sglang.kernels.ops.lora.dense.qkv_lora_b import qkv_lora_b_fwd
-        from sglang.kernels.ops.lora.dense.sgemm_lora_a import sgemm_lora_a_fwd
-        from sglang.kernels.ops.lora.dense.sgemm_lora_b import sgemm_lora_b_fwd
         from sglang.srt.lora.utils import LoRABatchInfo
+
+        if backend == "csgmv":
+            from sglang.kernels.ops.lora.dense.chunked_sgmv_expand import chunked_sgmv_lora_expand_forward
+            from sglang.kernels.ops.lora.dense.chunked_sgmv_shrink import chunked_sgmv_lora_shrink_forward
+        else:
+            from sglang.kernels.ops.lora.dense.gate_up_lora_b import gate_up_lora_b_fwd
+            from sglang.kernels.ops.lora.dense.qkv_lora_b import qkv_lora_b_fwd
+            from sglang.kernels.ops.lora.dense.sgemm_lora_a import sgemm_lora_a_fwd
+            from sglang.kernels.ops.lora.dense.sgemm_lora_b import sgemm_lora_b_fwd
     except Exception:  # noqa: BLE001 - any import failure means "not loadable here"
         return None
+    from eval.bench.sglang_kernels import csgmv_batch_info, triton_batch_info
+
     a, b = buffers
-    dev, n = x.device, x.shape[0]
-    seg_lens = request_lens(n, num_requests)
-    seg_indptr = torch.zeros(num_requests + 1, dtype=torch.int32)
-    seg_indptr[1:] = torch.cumsum(seg_lens, 0)
-    req_slot = token_slot[seg_indptr[:-1].long().to(dev)]
-    info = LoRABatchInfo(
-        use_cuda_graph=False, bs=num_requests, num_segments=num_requests, seg_indptr=seg_indptr.to(dev),
-        weight_indices=req_slot, lora_ranks=torch.tensor(weights.ranks_cpu, dtype=torch.int64, device=dev),
-        scalings=torch.tensor(weights.scalings_cpu, dtype=torch.float32, device=dev),
-        max_len=int(seg_lens.max()), seg_lens=seg_lens.to(dev), permutation=None,
-    )
-    offsets = torch.tensor(weights.slice_offsets, dtype=torch.int32, device=dev)
+    dev = x.device
+    seg_lens = request_lens(x.shape[0], num_requests)
+    seg_start = torch.zeros(num_requests, dtype=torch.int64)
+    seg_start[1:] = torch.cumsum(seg_lens, 0)[:-1]
+    req_slot = token_slot.cpu()[seg_start]
+    build = csgmv_batch_info if backend == "csgmv" else triton_batch_info
+    info = build(LoRABatchInfo, seg_lens, req_slot, weights.ranks_cpu, weights.scalings_cpu, dev)
+    offsets_cpu = torch.tensor(weights.slice_offsets, dtype=torch.int32)
+    offsets = offsets_cpu.to(dev)
     widths = [e - s for s, e in zip(weights.slice_offsets, weights.slice_offsets[1:])]
+    n_sl = weights.num_slices
+
+    if backend == "csgmv":
+        def run(y):
+            t = chunked_sgmv_lora_shrink_forward(x, a, info, num_slices=n_sl)
+            return chunked_sgmv_lora_expand_forward(t, b, info, offsets, max(widths), y, slice_offsets_cpu=offsets_cpu)
+        return run
 
     def run(y):
-        t = sgemm_lora_a_fwd(x, a, info, stack_num=weights.num_slices)
+        t = sgemm_lora_a_fwd(x, a, info, stack_num=n_sl)
         if module == "qkv":
             return qkv_lora_b_fwd(t, b, info, offsets, max(widths), y)
         if module == "gate_up":
@@ -145,15 +159,50 @@ def sglang_triton(x, buffers, module: str, weights: LoRAWeights, token_slot, num
     return run
 
 
-def gpu_records(quick: bool):
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+
+
+def sglang_agreement(device: str = "cuda", backends=("csgmv", "triton")) -> list[dict]:
+    """SGLang's kernels and ours against the torch reference on a few shapes, per dtype (fp32 / fp16 / bf16)."""
+    rows = []
+    for module, rank, num_tokens, num_adapters in (("qkv", 16, 1, 1), ("o", 16, 32, 8), ("qkv", 64, 256, 8)):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x, base_w, token_slot, weights, buffers = problem(module, rank, num_tokens, num_adapters, num_tokens,
+                                                              dtype, torch.device(device))
+            layout = SegmentMeta.build(token_slot, num_adapters)
+            zero = torch.zeros(num_tokens, weights.out_features, dtype=dtype, device=device)
+            ref = lora_forward(x, zero.clone(), layout, weights, impl="torch")
+            row = {"module": module, "rank": rank, "num_tokens": num_tokens, "num_adapters": num_adapters,
+                   "dtype": str(dtype).removeprefix("torch."),
+                   "multilora_triton": relative_error(lora_forward(x, zero.clone(), layout, weights, impl="triton"),
+                                                      ref)}
+            for backend in backends:
+                stock = sglang_kernels(x, buffers, module, weights, token_slot, num_tokens, backend)
+                try:
+                    row[f"sglang_{backend}"] = None if stock is None else relative_error(stock(zero.clone()), ref)
+                except Exception as e:  # noqa: BLE001 - a kernel that does not compile for a dtype: say so
+                    row[f"sglang_{backend}"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def gpu_records(quick: bool, max_seconds: float | None = None, backends=("csgmv", "triton")):
     dtype, dev = torch.bfloat16, torch.device("cuda")
+    began = time.monotonic()
     bandwidth = copy_bandwidth()
     shapes = [(m, r, t, n, "decode") for m in MODULES for r in (16, 64) for t in DECODE_TOKENS for n in ADAPTERS
               if n <= t]
     shapes += [(m, r, t, n, "prefill") for m in MODULES for r in (16, 64) for t in PREFILL_TOKENS for n in (1, 8)]
     if quick:
         shapes = [s for s in shapes if s[0] == "qkv" and s[1] == 16 and s[2] in (1, 32, 256, 2048)]
-    for module, rank, num_tokens, num_adapters, phase in shapes:
+    # Every module's core shapes first, so a run cut short by --max-seconds still covers each module.
+    shapes.sort(key=lambda s: not (s[2] in (1, 32, 256, 2048) and s[3] in (1, 8)))
+    for i, (module, rank, num_tokens, num_adapters, phase) in enumerate(shapes):
+        if max_seconds is not None and time.monotonic() - began > max_seconds:
+            yield {"truncated": f"stopped after {i} of {len(shapes)} shapes: --max-seconds {max_seconds:g}"}
+            return
         num_requests = num_tokens if phase == "decode" else max(num_adapters, num_tokens // 512)
         x, base_w, token_slot, weights, buffers = problem(module, rank, num_tokens, num_adapters, num_requests,
                                                           dtype, dev)
@@ -164,21 +213,25 @@ def gpu_records(quick: bool):
         lora_forward(x, y_ref, layout, weights, impl="torch")
         torch.testing.assert_close(y_ours.float(), y_ref.float(), atol=8e-2, rtol=8e-2)
         y = y0.clone()
+        notes = []
         latency = {
             "multilora_triton": time_cuda(lambda: lora_forward(x, y, layout, weights, impl="triton")),
             "base_gemm": time_cuda(lambda: torch.matmul(x, base_w.t())),
         }
-        stock = sglang_triton(x, buffers, module, weights, token_slot, num_requests)
-        notes = []
-        if stock is None:
-            notes.append("SGLang's Triton LoRA kernels did not import")
-        else:
-            y_stock = stock(y0.clone())
-            torch.testing.assert_close(y_stock.float(), y_ref.float(), atol=8e-2, rtol=8e-2)
+        for backend in backends:
+            stock = sglang_kernels(x, buffers, module, weights, token_slot, num_requests, backend)
+            if stock is None:
+                notes.append(f"SGLang's {backend} LoRA kernels did not import")
+                continue
+            error = relative_error(stock(y0.clone()) - y0, y_ref - y0)
+            if error > 2e-2:
+                notes.append(f"SGLang {backend} output differs from the torch reference (max |diff| / max |ref| of "
+                             f"the LoRA term {error:.3g}): not timed")
+                continue
             try:
-                latency["sglang_triton"] = time_cuda(lambda: stock(y))
+                latency[f"sglang_{backend}"] = time_cuda(lambda: stock(y))
             except Exception as e:  # noqa: BLE001 - e.g. a host sync inside the capture: record it, go on
-                notes.append(f"SGLang kernels not timed: {type(e).__name__}: {e}"[:300])
+                notes.append(f"SGLang {backend} kernels not timed: {type(e).__name__}: {e}"[:300])
         roof_us = roofline_bytes(num_tokens, weights, num_adapters, 2) / bandwidth * 1e6
         yield {
             "setup": {"module": module, "rank": rank, "num_tokens": num_tokens, "num_adapters": num_adapters,
@@ -232,10 +285,20 @@ def cpu_records(quick: bool):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--sglang-backends", default="csgmv,triton",
+                        help="SGLang LoRA backends whose kernels are compared (comma-separated; '' for none)")
+    parser.add_argument("--agreement-only", action="store_true",
+                        help="only the agreement of every kernel with the torch reference, per dtype (GPU)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop adding shapes after this long (GPU)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"JSON lines appended here (default {OUT})")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
-    records = list(gpu_records(args.quick) if on_gpu else cpu_records(args.quick))
+    backends = tuple(b for b in args.sglang_backends.split(",") if b)
+    agreement = sglang_agreement(backends=backends) if on_gpu else None
+    if args.agreement_only:
+        records = []
+    else:
+        records = list(gpu_records(args.quick, args.max_seconds, backends) if on_gpu else cpu_records(args.quick))
     record = {
         "experiment": "lora_kernels",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -248,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                  "(the CPU serving path), not of the Triton kernels, and say nothing about GPU performance."),
         "results": records,
     }
+    if agreement is not None:
+        record["agreement_with_torch_reference"] = agreement
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")

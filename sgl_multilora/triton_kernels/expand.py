@@ -10,14 +10,14 @@ import torch
 
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.jit import jit_kernel, tl
-from sgl_multilora.triton_kernels.shrink import MIN_BLOCK
+from sgl_multilora.triton_kernels.shrink import MIN_BLOCK, token_block
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
 
-def expand_config(max_tokens: int, max_slice_width: int, max_rank: int) -> dict[str, int]:
-    """Launch config by shape (a heuristic, not tuned on a GPU yet)."""
+def expand_config(max_tokens: int, max_slice_width: int, max_rank: int, num_slots: int = 1) -> dict[str, int]:
+    """Launch config by shape (a heuristic; the token block as shrink's)."""
     block_r = max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length())
-    block_m = 16 if max_tokens <= 64 else 64
+    block_m = token_block(max_tokens, num_slots)
     block_n = 128 if max_slice_width >= 128 else max(MIN_BLOCK, 1 << (max_slice_width - 1).bit_length())
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n}
 
@@ -43,7 +43,7 @@ def lora_expand(
     import triton
 
     widths = [b - a for a, b in zip(weights.slice_offsets, weights.slice_offsets[1:])]
-    cfg = config or expand_config(num_rows, max(widths), weights.max_rank)
+    cfg = config or expand_config(num_rows, max(widths), weights.max_rank, weights.num_slots)
     if cfg["BLOCK_R"] < weights.max_rank:
         raise ValueError(f"BLOCK_R {cfg['BLOCK_R']} is below the maximum rank {weights.max_rank}")
     tab = weights.tables()

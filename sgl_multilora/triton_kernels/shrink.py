@@ -15,15 +15,32 @@ from sgl_multilora.triton_kernels.weights import LoRAWeights
 MIN_BLOCK = 16  # tl.dot needs every block dimension >= 16
 
 
-def shrink_config(max_tokens: int, in_features: int, max_rank: int) -> dict[str, int]:
-    """Launch config by shape (a heuristic, not tuned on a GPU yet): decode-sized batches split K across programs
-    (few tokens leave too few programs to stream A at full bandwidth); prefill uses larger token blocks."""
+def token_block(max_tokens: int, num_slots: int) -> int:
+    """BLOCK_M: 16 for decode-sized steps, or when the tokens are spread thin over many slots (a block of 64 rows
+    would be mostly masked), else 64."""
+    return 16 if max_tokens <= 64 or max_tokens <= 16 * num_slots else 64
+
+
+TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100 / H200
+
+
+def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: int = 1,
+                  num_slices: int = 1) -> dict[str, int]:
+    """Launch config by shape. Shrink reads a long A (rank x in_features) per slot and slice, so it is
+    bandwidth-bound and needs enough programs streaming A at once: K is split across programs until the launch has
+    about TARGET_PROGRAMS busy ones (measured on an H200: without the split, 128 decode tokens on one adapter of
+    `down` ran 2 programs and took 7x the time of 64 tokens; eval/results/lora_kernels.md)."""
     block_r = max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length())
-    block_m = 16 if max_tokens <= 64 else 64
+    block_m = token_block(max_tokens, num_slots)
     block_k = 128 if block_r <= 32 else 64
+    # Busy (slot, token block) pairs: at least the token blocks, and up to one per slot when tokens are spread.
+    m_blocks = -(-max_tokens // block_m)
+    busy = max(m_blocks, min(num_slots, max_tokens)) * num_slices
     split_k = 1
-    if max_tokens <= 64 and in_features >= 2048:
-        split_k = min(8, max(1, in_features // 1024))
+    while split_k < 16 and busy * split_k * 2 <= TARGET_PROGRAMS and in_features // (split_k * 2) >= 2 * block_k:
+        split_k *= 2
+    if max_tokens <= 64 and in_features >= 2048:  # decode on many slots: each program still streams a long A
+        split_k = max(split_k, min(8, in_features // 1024))
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k}
 
 
@@ -47,7 +64,8 @@ def lora_shrink(
         return
     import triton
 
-    cfg = config or shrink_config(num_rows, weights.in_features, weights.max_rank)
+    cfg = config or shrink_config(num_rows, weights.in_features, weights.max_rank, weights.num_slots,
+                                 weights.num_slices)
     if cfg["BLOCK_R"] < weights.max_rank:
         raise ValueError(f"BLOCK_R {cfg['BLOCK_R']} is below the maximum rank {weights.max_rank}")
     if cfg["SPLIT_K"] > 1:
