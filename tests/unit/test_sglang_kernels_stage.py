@@ -73,3 +73,21 @@ def test_staged_sglang_kernels_match_our_reference(tmp_path):
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(errors) == 6
     assert all(e < 1e-4 for e in errors.values()), errors
+
+
+def test_only_backends_that_agree_in_bf16_are_timed():
+    from eval.bench.lora_kernels import AGREEMENT_TOL, agreeing_backends
+
+    rows = [  # as the H200 run recorded them: csgmv right in fp32, NaN or huge in bf16
+        {"dtype": "float32", "sglang_csgmv": 1.6e-3, "sglang_triton": 1.6e-3},
+        {"dtype": "bfloat16", "sglang_csgmv": float("nan"), "sglang_triton": 5.3e-3},
+        {"dtype": "bfloat16", "sglang_csgmv": 1.9e32, "sglang_triton": 6.0e-3},
+    ]
+    kept, dropped = agreeing_backends(rows, ["csgmv", "triton"])
+    assert kept == ["triton"] and list(dropped) == ["csgmv"]
+    faulted = [{"dtype": "bfloat16", "sglang_triton": "RuntimeError: Triton Error [CUDA]: an illegal memory access"}]
+    assert agreeing_backends(faulted, ["triton"])[0] == []
+    assert agreeing_backends([{"dtype": "bfloat16", "sglang_triton": None}], ["triton"])[1] == {
+        "triton": "its kernels did not import"}
+    assert agreeing_backends([{"dtype": "bfloat16", "sglang_triton": 2 * AGREEMENT_TOL}], ["triton"])[0] == []
+    assert "no agreement rows" in agreeing_backends([], ["triton"])[1]["triton"]
