@@ -117,11 +117,13 @@ class HostKVStore:
     def write(self, host_ids: list[int], device_values) -> None:
         d = self._device_index(device_values)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
-            staging = torch.stack([b.index_select(0, d) for b in buffers], dim=1)  # (n, layers, ...)
-            if not self.on_cuda:
-                host.index_copy_(0, torch.tensor(host_ids, dtype=torch.int64), staging)
+            if not self.on_cuda:  # layer by layer into the strided view: one copy per layer, no staging
+                h = torch.tensor(host_ids, dtype=torch.int64)
+                for layer, buffer in enumerate(buffers):
+                    host[:, layer].index_copy_(0, h, buffer.index_select(0, d))
                 self.num_copies += 1
                 continue
+            staging = torch.stack([b.index_select(0, d) for b in buffers], dim=1)  # (n, layers, ...)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 for pos, first, n in contiguous_runs(host_ids):
@@ -134,17 +136,19 @@ class HostKVStore:
         d = self._device_index(device_values)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
             if not self.on_cuda:
-                rows = host.index_select(0, torch.tensor(host_ids, dtype=torch.int64))
+                h = torch.tensor(host_ids, dtype=torch.int64)
+                for layer, buffer in enumerate(buffers):
+                    buffer.index_copy_(0, d, host[:, layer].index_select(0, h))
                 self.num_copies += 1
-            else:
-                current = torch.cuda.current_stream(self.device)
-                with torch.cuda.stream(self.copy_stream):
-                    rows = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
-                    for pos, first, n in contiguous_runs(host_ids):
-                        rows[pos:pos + n].copy_(host[first:first + n], non_blocking=True)
-                        self.num_copies += 1
-                current.wait_stream(self.copy_stream)
-                rows.record_stream(current)
+                continue
+            current = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.copy_stream):
+                rows = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                for pos, first, n in contiguous_runs(host_ids):
+                    rows[pos:pos + n].copy_(host[first:first + n], non_blocking=True)
+                    self.num_copies += 1
+            current.wait_stream(self.copy_stream)
+            rows.record_stream(current)
             for layer, buffer in enumerate(buffers):
                 buffer.index_copy_(0, d, rows[:, layer])
 
