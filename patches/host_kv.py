@@ -90,7 +90,7 @@ class HostKVStore:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.capacity = capacity
         self._free = list(range(capacity - 1, -1, -1))  # a stack: low ids first
-        self.num_copies = 0  # DMAs issued (CUDA) or index copies (CPU), for the stats
+        self.num_copies = 0  # DMAs issued (CUDA: one per run of host slots) or copy calls (CPU); in the stats
 
     @property
     def num_used(self) -> int:
@@ -289,6 +289,7 @@ class LiveHostTier:
     def stats(self) -> dict:
         return {**self.tier.stats(), "load_backs": self.num_load_backs, "declined_load_backs": self.num_declined,
                 "declined_tokens": self.num_declined_tokens, "copy_s_per_token": self.copy_s_per_token,
+                "copies": self.store.num_copies,
                 "adapter_host_copies_bytes": self.memory.host_adapter_bytes()}
 
     def check_invariants(self) -> None:

@@ -125,6 +125,7 @@ def test_returning_turns_copy_their_history_back_and_match_peft(server, adapters
     host = m["unified_pool"]["host_tier"]
     assert host["spilled_tokens"] > POOL_SLOTS, host  # the first round did not fit the pool
     assert host["load_backs"] >= 3 and host["restored_tokens"] > 3 * 200, host  # returning turns came back by copy
+    assert host["copies"] >= 2 * host["load_backs"], host  # K and V: at least one copy each per load-back
     cached = sum(r["meta_info"]["cached_tokens"] for r in responses[1])
     assert cached >= host["restored_tokens"] * 0.9, (cached, host)  # SGLang counts the copied tokens as cached
     assert m["unified_pool"]["swapper"]["invalid_kv_slots"] == 0
