@@ -20,6 +20,6 @@ date -u +%FT%TZ | tee -a "$out/device.txt"
 timeout 120 $py -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_host_kv_store.py 2>&1 \
   | tee "$out/pytest_gpu.log" | tail -25
 timeout 180 $py -m eval.bench.host_copy_gpu --out "$out/host_copy_gpu.jsonl" 2>&1 | tee "$out/host_copy_gpu.log" | tail -8
-timeout $((budget + 60)) $py -m eval.bench.lora_kernels --max-seconds "$budget" --out "$out/lora_kernels.jsonl" \
+timeout $((budget + 150)) $py -m eval.bench.lora_kernels --max-seconds "$budget" --out "$out/lora_kernels.jsonl" \
   2>&1 | tee "$out/lora_kernels.log" | tail -4
 ls -la "$out"
