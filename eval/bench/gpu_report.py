@@ -68,7 +68,8 @@ def kernel_report(records: list[dict]) -> str:
         "access that ends the process. SGLang 0.5.23 ships its tuned configs for Triton 3.5.1; the lent machine has "
         "Triton 3.6.0 and no way to install another, so this is most likely a compiler mismatch, not a fault of "
         "SGLang's release as users run it. Relative error of the LoRA term vs the torch reference:", "",
-        "| config | module | rank | tokens | adapters | dtype | ours | SGLang csgmv |", "|---|---|---|---|---|---|---|---|",
+        "| config | module | rank | tokens | adapters | dtype | ours | SGLang csgmv |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         for a in r.get("agreement_with_torch_reference", []):
@@ -112,7 +113,8 @@ def _plot(rows: dict, path: Path) -> None:
             ax.plot(xs, [p[1]["multilora_triton"] for p in pts], "o" + style, color="C0", label=f"ours r{rank}")
             ax.plot(xs, [p[1].get("sglang_triton") for p in pts], "s" + style, color="C1",
                     label=f"SGLang triton r{rank}")
-            ax.plot(xs, [p[1]["base_gemm"] for p in pts], ":" , color="grey", label="base GEMM" if rank == 16 else None)
+            ax.plot(xs, [p[1]["base_gemm"] for p in pts], ":", color="grey",
+                    label="base GEMM" if rank == 16 else None)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{module}, 8 adapters")

@@ -1,5 +1,6 @@
 """Segmented LoRA kernels: our Triton shrink + expand vs the layer's dense base GEMM, a memory roofline, and SGLang's
-own LoRA kernels (its default csgmv backend and its triton one), at Llama-3-8B projection shapes (one JSON line per shape).
+own LoRA kernels (its default csgmv backend and its triton one), at Llama-3-8B projection shapes (one JSON line
+per shape).
 Not here: the kernels (sgl_multilora/triton_kernels/) or their correctness tests (tests/kernels/).
 
 On a GPU: bf16, ranks 16 and 64, modules qkv (4096 -> 4096 + 1024 + 1024), o (4096 -> 4096), gate_up
