@@ -61,7 +61,10 @@ class HostKVStore:
     `k_buffer[l]` / `v_buffer[l]`. Memory is reserved, not touched on CPU: pages are committed as slots are
     written (on CUDA the pool is pinned, so it is committed at once).
 
-    Layout: slot-major, `host_k[slot]` is one token's K over all layers, so a run of consecutive host slots is one
+    Layout on CPU: layer-major, `host_k[layer]` is (capacity, heads, dim) like the device buffer, so each layer's
+    copy is a gather / scatter of whole rows within one contiguous tensor (a slot-major pool made the CPU copies
+    stride over every layer's rows: returning turns 9.3x faster than recomputing instead of 10.9x). On CUDA:
+    slot-major, `host_k[slot]` is one token's K over all layers, so a run of consecutive host slots is one
     contiguous block and crosses PCIe as one DMA:
 
     ```
@@ -85,8 +88,9 @@ class HostKVStore:
         self.on_cuda = self.device.type == "cuda"
         k0, v0 = k_buffers[0], v_buffers[0]
         layers = len(k_buffers)
-        self.host_k = torch.empty((capacity, layers, *k0.shape[1:]), dtype=k0.dtype, pin_memory=self.on_cuda)
-        self.host_v = torch.empty((capacity, layers, *v0.shape[1:]), dtype=v0.dtype, pin_memory=self.on_cuda)
+        shape = (capacity, layers) if self.on_cuda else (layers, capacity)
+        self.host_k = torch.empty((*shape, *k0.shape[1:]), dtype=k0.dtype, pin_memory=self.on_cuda)
+        self.host_v = torch.empty((*shape, *v0.shape[1:]), dtype=v0.dtype, pin_memory=self.on_cuda)
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.capacity = capacity
         self._free = list(range(capacity - 1, -1, -1))  # a stack: low ids first
@@ -106,6 +110,12 @@ class HostKVStore:
     def free(self, host_ids: list[int]) -> None:
         self._free.extend(host_ids)
 
+    def host_rows(self, host_ids, layer: int, v: bool = False) -> torch.Tensor:
+        """The K (or V) rows of `host_ids` for one layer, whatever the layout (for inspection; not a copy path)."""
+        host = self.host_v if v else self.host_k
+        ids = torch.tensor(list(host_ids), dtype=torch.int64)
+        return host[:, layer].index_select(0, ids) if self.on_cuda else host[layer].index_select(0, ids)
+
     def _device_index(self, values) -> torch.Tensor:
         """`values` as an index tensor on the device, without blocking the CPU on the current stream (a pageable
         host-to-device copy would wait for the kernels already queued, i.e. the running forward pass)."""
@@ -117,10 +127,10 @@ class HostKVStore:
     def write(self, host_ids: list[int], device_values) -> None:
         d = self._device_index(device_values)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
-            if not self.on_cuda:  # layer by layer into the strided view: one copy per layer, no staging
+            if not self.on_cuda:
                 h = torch.tensor(host_ids, dtype=torch.int64)
                 for layer, buffer in enumerate(buffers):
-                    host[:, layer].index_copy_(0, h, buffer.index_select(0, d))
+                    host[layer].index_copy_(0, h, buffer.index_select(0, d))
                 self.num_copies += 1
                 continue
             staging = torch.stack([b.index_select(0, d) for b in buffers], dim=1)  # (n, layers, ...)
@@ -138,7 +148,7 @@ class HostKVStore:
             if not self.on_cuda:
                 h = torch.tensor(host_ids, dtype=torch.int64)
                 for layer, buffer in enumerate(buffers):
-                    buffer.index_copy_(0, d, host[:, layer].index_select(0, h))
+                    buffer.index_copy_(0, d, host[layer].index_select(0, h))
                 self.num_copies += 1
                 continue
             current = torch.cuda.current_stream(self.device)

@@ -54,7 +54,7 @@ class World:
 
     def host_rows(self, key: MatchKey, start: int = 0) -> torch.Tensor:
         m = self.host.match(key, touch=False)
-        return self.store.host_k[m.kv_values[start:], :, 0, 0].t()
+        return torch.stack([self.store.host_rows(m.kv_values[start:], layer)[:, 0, 0] for layer in range(LAYERS)])
 
     def check(self) -> None:
         self.host.check_invariants()
