@@ -126,9 +126,9 @@ class HostKVStore:
 
     def write(self, host_ids: list[int], device_values) -> None:
         d = self._device_index(device_values)
+        h = None if self.on_cuda else torch.tensor(host_ids, dtype=torch.int64)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
             if not self.on_cuda:
-                h = torch.tensor(host_ids, dtype=torch.int64)
                 for layer, buffer in enumerate(buffers):
                     host[layer].index_copy_(0, h, buffer.index_select(0, d))
                 self.num_copies += 1
@@ -144,9 +144,9 @@ class HostKVStore:
     def read(self, host_ids, device_values) -> None:
         host_ids = list(host_ids)
         d = self._device_index(device_values)
+        h = None if self.on_cuda else torch.tensor(host_ids, dtype=torch.int64)
         for host, buffers in ((self.host_k, self.k_buffers), (self.host_v, self.v_buffers)):
             if not self.on_cuda:
-                h = torch.tensor(host_ids, dtype=torch.int64)
                 for layer, buffer in enumerate(buffers):
                     buffer.index_copy_(0, d, host[layer].index_select(0, h))
                 self.num_copies += 1
