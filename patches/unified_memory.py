@@ -275,11 +275,11 @@ class LiveMemory:
         """True once the adapter is resident; otherwise makes room (at most `budget` slots of the pass's prefill
         budget may go to it) and starts the copy. False means "not now": the request waits for a later pass."""
         res = self.residency
-        if res.is_resident(identity):
-            return True
         self.swapper.poll_loads()
-        if res.is_resident(identity) or res.is_loading(identity):
-            return res.is_resident(identity)
+        if res.is_resident(identity):
+            return self._pin_fits(identity, budget)
+        if res.is_loading(identity):
+            return False
         if budget is not None and res.entry(identity).num_slots > budget:
             self.num_skipped_admissions += 1
             return False
@@ -288,6 +288,17 @@ class LiveMemory:
         if not res.is_resident(identity):
             self.num_skipped_admissions += 1
         return res.is_resident(identity)
+
+    def _pin_fits(self, identity: str, budget: int | None) -> bool:
+        """Whether a request may start on the resident adapter within `budget`. An adapter no request runs on
+        counts in SGLang's `evictable_size`, so pinning it for a request takes its slots out of the pass's prefill
+        budget, room the requests admitted earlier in the pass may have reserved: it must fit what is left."""
+        if budget is None or not self.swapper.adapter_reclaimable(identity):
+            return True
+        if self.residency.entry(identity).num_slots <= budget:
+            return True
+        self.num_skipped_admissions += 1
+        return False
 
     def admit(self, rid: str, identity: str, budget: int | None) -> bool:
         """The admission decision for one waiting request on a resident-or-not adapter (None: the base model):

@@ -142,15 +142,20 @@ class Swapper:
         running request and (with the dependency rule) no lock on their node in any namespace. With the tree's
         `evictable_len()` and the free slots, the room the next batch can have (SGLang's `evictable_size`).
         Pure query."""
-        res, total = self.residency, 0
+        res = self.residency
         namespaces = [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
-        for identity in res.resident_ids():
-            if res.num_running(identity):
-                continue
-            if any((n := children.get(identity)) is not None and n.lock_ref for children in namespaces):
-                continue
-            total += res.entry(identity).num_slots
-        return total
+        return sum(res.entry(i).num_slots for i in res.resident_ids() if self._reclaimable(i, namespaces))
+
+    def adapter_reclaimable(self, adapter_id: str) -> bool:
+        """Whether the adapter's slots count in `reclaimable_adapter_slots` now. Pure query."""
+        namespaces = [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
+        return self._reclaimable(adapter_id, namespaces)
+
+    def _reclaimable(self, adapter_id: str, namespaces: list[dict]) -> bool:
+        res = self.residency
+        if not res.is_resident(adapter_id) or res.num_running(adapter_id):
+            return False
+        return not any((n := children.get(adapter_id)) is not None and n.lock_ref for children in namespaces)
 
     def adapter_evictable(self, adapter_id: str, protect: str | None = None) -> bool:
         """Resident, used by no running request, not `protect`, and (with the dependency rule) no KV in any
