@@ -60,9 +60,11 @@ def can_schedule_lora_req(original, self, req, running_loras):
     sched = process_state().scheduler
     if sched is not None and not sched.allows(req):
         return False  # outside this pass's plan: keeps its place, and no adapter is loaded for it
-    if not original(self, req, running_loras):
-        return False
     mem = process_state().memory
+    if not original(self, req, running_loras):
+        if mem is not None:  # SGLang's per-batch adapter limit (or its LoRA drainer) kept the adapter out
+            mem.num_lora_batch_skips += 1
+        return False
     if mem is None:
         return True
     identity = process_state().adapters.identity(req.lora_id) if req.lora_id is not None else None

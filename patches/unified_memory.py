@@ -166,6 +166,9 @@ class LiveMemory:
         self._starving: str | None = None  # the oldest such rid past STARVATION_S
         self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
         self.num_starvation_holds = 0
+        self.num_budget_stops = 0  # passes ended by a request whose resident adapter's pin did not fit the budget
+        self._pass_full = False
+        self.num_lora_batch_skips = 0  # passes that skipped a request because SGLang's batch had no room for its adapter
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
@@ -275,11 +278,11 @@ class LiveMemory:
         """True once the adapter is resident; otherwise makes room (at most `budget` slots of the pass's prefill
         budget may go to it) and starts the copy. False means "not now": the request waits for a later pass."""
         res = self.residency
-        self.swapper.poll_loads()
         if res.is_resident(identity):
-            return self._pin_fits(identity, budget)
-        if res.is_loading(identity):
-            return False
+            return True
+        self.swapper.poll_loads()
+        if res.is_resident(identity) or res.is_loading(identity):
+            return res.is_resident(identity)
         if budget is not None and res.entry(identity).num_slots > budget:
             self.num_skipped_admissions += 1
             return False
@@ -293,18 +296,19 @@ class LiveMemory:
         """Whether a request may start on the resident adapter within `budget`. An adapter no request runs on
         counts in SGLang's `evictable_size`, so pinning it for a request takes its slots out of the pass's prefill
         budget, room the requests admitted earlier in the pass may have reserved: it must fit what is left."""
-        if budget is None or not self.swapper.adapter_reclaimable(identity):
-            return True
-        if self.residency.entry(identity).num_slots <= budget:
-            return True
-        self.num_skipped_admissions += 1
-        return False
+        return (budget is None or not self.swapper.adapter_reclaimable(identity)
+                or self.residency.entry(identity).num_slots <= budget)
 
     def admit(self, rid: str, identity: str, budget: int | None) -> bool:
         """The admission decision for one waiting request on a resident-or-not adapter (None: the base model):
         `ensure_resident`, with the starvation rule (`STARVATION_S`): while a request has been kept out too long,
-        no other request is admitted."""
-        if self._starving is not None and rid != self._starving:
+        no other request is admitted. A request on a resident adapter whose pin does not fit the pass's budget
+        ends the pass as SGLang's own "no room" does (no later request overtakes it; not a starvation skip)."""
+        if self._pass_full or (self._starving is not None and rid != self._starving):
+            return False
+        if identity is not None and self.residency.is_resident(identity) and not self._pin_fits(identity, budget):
+            self._pass_full = True
+            self.num_budget_stops += 1
             return False
         if identity is None or self.ensure_resident(identity, budget):
             self._skipped_since.pop(rid, None)
@@ -336,6 +340,7 @@ class LiveMemory:
         self.usage.record_request(identity, self.swapper.tree.clock())
 
     def before_prefill_pass(self, reqs, waiting_rids: set[str]) -> None:
+        self._pass_full = False
         for rid in [r for r in self._skipped_since if r not in waiting_rids]:  # admitted elsewhere or aborted
             del self._skipped_since[rid]
         if self._starving not in self._skipped_since:
@@ -409,6 +414,8 @@ class LiveMemory:
             "swapper": self.swapper.stats(),
             "skipped_admissions": self.num_skipped_admissions,
             "starvation_holds": self.num_starvation_holds,
+            "lora_batch_skips": self.num_lora_batch_skips,
+            "budget_stops": self.num_budget_stops,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "recompute_s_per_token": self.usage.kv_reload_s_per_token,
             "prefill_tokens": self.num_prefill_tokens,

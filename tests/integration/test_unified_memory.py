@@ -199,10 +199,15 @@ def test_a_request_pins_an_idle_resident_adapter_only_within_the_pass_budget(wor
     def room() -> int:  # what SGLang's PrefillBudget reads as available + evictable
         return allocator.available_size() + tree.evictable_len() + memory.evictable_adapter_slots()
 
+    memory.before_prefill_pass([], {"late", "base"})
     reserved = room() - (n - 1)  # an earlier request of the pass reserved all but n - 1 slots
     assert not memory.admit("late", b, budget=room() - reserved)
     assert room() >= reserved and memory.residency.num_running(b) == 0
-    reserved = room() - n  # now the pin fits what is left
+    # As SGLang's own "no room": the pass takes no later request, and the refusal starts no starvation clock.
+    assert not memory.admit("base", None, budget=room() - reserved)
+    assert memory.stats()["budget_stops"] == 1 and memory.stats()["skipped_admissions"] == 0
+    memory.before_prefill_pass([], {"late", "base"})  # the next pass: now the pin fits what is left
+    reserved = room() - n
     assert memory.admit("late", b, budget=room() - reserved)
     memory.residency.acquire(b)  # as the hook does for an admitted request
     assert room() >= reserved
