@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -108,6 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
+    parser.add_argument("--server-args", default="",
+                        help="more SGLang flags for every arm alike (e.g. '--lora-drain-wait-threshold 2')")
+    parser.add_argument("--arms", default="ours,stock", help="which arms to run (comma-separated)")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
     args = parser.parse_args()
 
@@ -126,12 +130,13 @@ def main() -> None:
     if buffer_tokens >= args.pool_tokens:
         raise SystemExit(f"SGLang's slot buffers take {buffer_tokens} token slots, more than --pool-tokens")
     common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
-              "--max-lora-rank", str(max_rank)]
+              "--max-lora-rank", str(max_rank), *shlex.split(args.server_args)]
     arms = {
         "ours": (args.pool_tokens, [*common, "--radix-cache-backend", "multilora", "--multilora-eviction-policy",
                                     args.policy]),
         "stock": (args.pool_tokens - buffer_tokens, common),
     }
+    arms = {name: arms[name] for name in args.arms.split(",")}
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
@@ -146,7 +151,8 @@ def main() -> None:
                  "num_requests": len(workload.requests), "pool_tokens": args.pool_tokens,
                  "stock_kv_tokens": args.pool_tokens - buffer_tokens, "stock_buffer_tokens": buffer_tokens,
                  "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": max_rank,
-                 "policy": args.policy, "time_scales": scales, "repeats": args.repeats, "seed": args.seed,
+                 "policy": args.policy, "server_args": args.server_args, "time_scales": scales,
+                 "repeats": args.repeats, "seed": args.seed,
                  "adapter_bytes_total": sum(NUM_LAYERS * a.rank * sum(ELEMS_PER_RANK[m] for m in a.target_modules)
                                             * 4 for a in workload.adapters)}
         device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
@@ -166,7 +172,10 @@ def main() -> None:
                         pool = None
                         if name == "ours":
                             mem = requests.get(servers[name].url + "/multilora/stats", timeout=60).json()["memory"]
-                            pool = mem[0].get("unified_pool", {}).get("swapper")
+                            unified = mem[0].get("unified_pool", {})
+                            pool = {**unified.get("swapper", {}),
+                                    **{k: unified.get(k) for k in ("skipped_admissions", "starvation_holds",
+                                                                   "budget_stops", "lora_batch_skips")}}
                         runs.append({"arm": name, "repeat": rep, "time_scale": scale,
                                      "rate_req_s": workload.offered_rate * scale, **summarize(results),
                                      "swapper": pool})
@@ -187,7 +196,8 @@ def report(record: dict) -> str:
              f"token slots in all (stock: {s['stock_buffer_tokens']} to LoRA slot buffers of "
              f"{s['max_loras_per_batch']} x rank {s['max_lora_rank']}, {s['stock_kv_tokens']} to KV); adapters "
              f"{s['adapter_bytes_total'] / 2**20:.0f} MiB = {s['adapter_bytes_total'] / 46080:.0f} slots; policy "
-             f"{s['policy']}; {s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
+             f"{s['policy']}; {'both arms ' + repr(s['server_args']) + '; ' if s.get('server_args') else ''}"
+             f"{s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
              "| rate (req/s) | arm | mean TTFT s (min-max) | P50 TTFT s | P99 TTFT s (min-max) | cached share | "
              "failed |", "|---|---|---|---|---|---|---|"]
     for scale in s["time_scales"]:
@@ -218,6 +228,12 @@ def report(record: dict) -> str:
             lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
                          f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
                          f"({min(p99_r):.2f}-{max(p99_r):.2f})")
+    last = [r["swapper"] for r in runs if r["arm"] == "ours" and r.get("swapper")]
+    if last and "lora_batch_skips" in last[-1]:
+        keys = ("adapter_loads", "adapter_evictions", "prefetches", "skipped_admissions", "starvation_holds",
+                "budget_stops", "lora_batch_skips")
+        lines += ["", "Ours' pool and admission counters over the whole run: "
+                  + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
     return "\n".join(lines) + "\n"
 
 
