@@ -168,7 +168,7 @@ class LiveMemory:
         self.num_starvation_holds = 0
         self.num_budget_stops = 0  # passes ended by a request whose resident adapter's pin did not fit the budget
         self._pass_full = False
-        self.num_lora_batch_skips = 0  # passes that skipped a request because SGLang's batch had no room for its adapter
+        self.num_lora_batch_skips = 0  # passes that skipped a request: SGLang's batch had no room for its adapter
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
