@@ -142,14 +142,16 @@ class Swapper:
         running request and (with the dependency rule) no lock on their node in any namespace. With the tree's
         `evictable_len()` and the free slots, the room the next batch can have (SGLang's `evictable_size`).
         Pure query."""
-        res = self.residency
-        namespaces = [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
+        res, namespaces = self.residency, self._lock_scopes()
         return sum(res.entry(i).num_slots for i in res.resident_ids() if self._reclaimable(i, namespaces))
 
     def adapter_reclaimable(self, adapter_id: str) -> bool:
         """Whether the adapter's slots count in `reclaimable_adapter_slots` now. Pure query."""
-        namespaces = [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
-        return self._reclaimable(adapter_id, namespaces)
+        return self._reclaimable(adapter_id, self._lock_scopes())
+
+    def _lock_scopes(self) -> list[dict]:
+        """Each namespace's adapter nodes by id, where a lock can pin an adapter (none without the dependency rule)."""
+        return [ns.children for ns in self.tree.root.children.values()] if self.dependency else []
 
     def _reclaimable(self, adapter_id: str, namespaces: list[dict]) -> bool:
         res = self.residency
