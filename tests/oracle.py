@@ -35,6 +35,7 @@ TOP_K = 5  # top logprobs compared per generated token (SGLang's `top_logprobs_n
 ORACLE_TOP_K = 2 * TOP_K  # kept by the oracle, so a served top-k entry at the boundary can still be looked up
 MIN_COMPARED_TOKENS = 8  # generated tokens every comparison covers (unless it ends early at a near tie)
 MAX_EARLY_SHARE = 0.05  # a run fails when more of its comparisons than this end early at a near tie
+PAD_SLACK = 1.25  # the oracle batches prompts whose lengths differ by at most this factor (`PeftOracle.prefetch`)
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,87 @@ class PeftOracle:
         self._cache[key] = out
         return out
 
+    @torch.no_grad()
+    def prefetch(self, items, *, ignore_eos: bool = False, batch_size: int = 8) -> None:
+        """Computes many greedy continuations at once, so that the `greedy` calls for them read the cache.
+
+        `items` are (adapter_dir, input_ids, max_new_tokens) or (adapter_dir, input_ids, max_new_tokens,
+        activation_shift), each as `greedy` takes them. Prompts of one adapter and similar lengths decode together
+        in left-padded batches of up to `batch_size` (explicit positions and attention mask, so each row computes
+        what it computes alone, to rounding): a decode step of eight prompts costs about twice one prompt's on this
+        model. Unlike `greedy`, it runs on all of torch's threads: call it while the server under test is idle (its
+        requests answered), not next to a busy one. `tests/integration/test_oracle_batched.py` holds the batched
+        results to the one-at-a-time ones."""
+        wanted: dict[str | None, dict[tuple, tuple[list[int], int, int]]] = {}
+        for item in items:
+            adapter_dir, input_ids, max_new_tokens, shift = (*item, 0)[:4]
+            key = (adapter_dir, tuple(input_ids), shift, ignore_eos)
+            cached = self._cache.get(key)
+            if cached is not None and (len(cached.tokens) >= max_new_tokens or cached.stopped_at_eos):
+                continue
+            rows = wanted.setdefault(adapter_dir, {})
+            longest = max(max_new_tokens, rows[key][1] if key in rows else 0)
+            rows[key] = (list(input_ids), longest, shift)
+        for adapter_dir, rows in wanted.items():
+            model = self._select(adapter_dir)
+            is_alora = model is not None and bool(model.peft_config[self.loaded[adapter_dir]].alora_invocation_tokens)
+            for chunk in _length_buckets(sorted(rows, key=lambda k: len(rows[k][0])), batch_size):
+                prompts = [rows[k][0] for k in chunk]
+                starts = None
+                if is_alora:
+                    starts = []
+                    for k in chunk:
+                        start = self.activation_start(adapter_dir, rows[k][0])
+                        if start is not None:
+                            start += rows[k][2]
+                            assert 0 <= start < len(rows[k][0]), f"activation start {start} outside the prompt"
+                        starts.append(start)
+                steps = max(rows[k][1] for k in chunk)
+                if model is None and self.peft is not None:
+                    with self.peft.disable_adapter():
+                        outs = self._decode_batch(self.peft, prompts, steps, ignore_eos, None)
+                else:
+                    outs = self._decode_batch(model if model is not None else self.base, prompts, steps,
+                                              ignore_eos, starts)
+                for k, out in zip(chunk, outs):
+                    self._cache[k] = out
+
+    def _decode_batch(self, model, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
+                      starts: list[int | None] | None) -> list[OracleOutput]:
+        """`_decode` for several prompts of one adapter: left-padded, each row stopping at its own EOS."""
+        width = max(len(p) for p in prompts)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        step_input = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows = [([], [], [], [], []) for _ in prompts]
+        stopped = [False] * len(prompts)
+        past = None
+        for _ in range(max_new_tokens):
+            extra = {}
+            if starts is not None:
+                extra = {"alora_offsets": [None if s is None else (len(p) - s if past is None else 1)
+                                           for s, p in zip(starts, prompts)]}
+            out = model(input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=past,
+                        use_cache=True, **extra)
+            lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            top = torch.topk(lp, ORACLE_TOP_K)
+            for b, (tokens, logprobs, top_ids, top_lps, gaps) in enumerate(rows):
+                if stopped[b]:
+                    continue
+                token = int(top.indices[b, 0])
+                tokens.append(token)
+                logprobs.append(float(top.values[b, 0]))
+                top_ids.append([int(i) for i in top.indices[b]])
+                top_lps.append([float(v) for v in top.values[b]])
+                gaps.append(float(top.values[b, 0] - top.values[b, 1]))
+                stopped[b] = token in self.eos_token_ids and not ignore_eos
+            if all(stopped):
+                break
+            past, step_input = out.past_key_values, top.indices[:, :1]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+        return [OracleOutput(*row, stopped_at_eos=stop) for row, stop in zip(rows, stopped)]
+
     def _decode(self, model, input_ids: list[int], max_new_tokens: int, ignore_eos: bool,
                 start: int | None) -> OracleOutput:
         tokens, logprobs, top_ids, top_lps, gaps = [], [], [], [], []
@@ -218,6 +300,20 @@ class PeftOracle:
                 return OracleOutput(tokens, logprobs, top_ids, top_lps, gaps, stopped_at_eos=True)
             past, step_input = out.past_key_values, [token]
         return OracleOutput(tokens, logprobs, top_ids, top_lps, gaps, stopped_at_eos=False)
+
+
+def _length_buckets(keys: list[tuple], batch_size: int) -> Iterator[list[tuple]]:
+    """Consecutive runs of `keys` (sorted by prompt length, key[1] the prompt) of at most `batch_size`, a run
+    ending where a prompt is over PAD_SLACK longer than its first: padding a short prompt to a long one's length
+    costs the long one's prefill again, which is what a prefill-bound batch saves."""
+    run: list[tuple] = []
+    for key in keys:
+        if run and (len(run) == batch_size or len(key[1]) > PAD_SLACK * len(run[0][1])):
+            yield run
+            run = []
+        run.append(key)
+    if run:
+        yield run
 
 
 def _check_top(served: list[tuple[int, float]], oracle: OracleOutput, i: int, what: str) -> None:

@@ -78,6 +78,7 @@ def cases(manifest, tokenizer):
 
 @pytest.fixture(scope="module")
 def expected(cases, oracle):
+    oracle.prefetch([(path, ids, MAX_NEW_TOKENS) for _, path, ids in cases], ignore_eos=True)
     return [oracle.greedy(path, ids, MAX_NEW_TOKENS, ignore_eos=True) for _, path, ids in cases]
 
 
@@ -106,6 +107,7 @@ def test_adapters_change_the_output(cases, expected, oracle):
     """Guards the oracle comparison itself: every adapter, aLoRAs included, answers some prompt unlike the base
     model (for an aLoRA: the base model's continuation of the same prompt, invocation and all)."""
     differs: dict[str, bool] = {}
+    oracle.prefetch([(None, ids, MAX_NEW_TOKENS) for name, _, ids in cases if name is not None], ignore_eos=True)
     for (name, _, ids), out in zip(cases, expected):
         if name is not None:
             base = oracle.greedy(None, ids, MAX_NEW_TOKENS, ignore_eos=True)
@@ -121,13 +123,17 @@ def test_oracle_rejects_a_shifted_activation_start(cases, oracle, sequential):
     """Guards the aLoRA comparisons: PEFT with the activation start one position early or late rejects the served
     aLoRA answers that the right start accepts (the first prompts of each bundled aLoRA), so a server that got the
     start wrong by one would fail these tests."""
-    checked: dict[str, int] = {}
+    checks, checked = [], {}
     for (name, path, ids), result in zip(cases, sequential):
         if path is None or checked.get(name, 0) == SHIFT_CHECKS_PER_ADAPTER:
             continue
         if oracle.activation_start(path, ids) is not None:
-            assert_shift_rejected(result, oracle, path, ids, MAX_NEW_TOKENS, f"{name} {ids[-8:]}")
+            checks.append((name, path, ids, result))
             checked[name] = checked.get(name, 0) + 1
+    oracle.prefetch([(path, ids, MAX_NEW_TOKENS, shift) for _, path, ids, _ in checks for shift in (-1, 1)],
+                    ignore_eos=True)
+    for name, path, ids, result in checks:
+        assert_shift_rejected(result, oracle, path, ids, MAX_NEW_TOKENS, f"{name} {ids[-8:]}")
     assert len(checked) == 2 and set(checked.values()) == {SHIFT_CHECKS_PER_ADAPTER}, checked
 
 

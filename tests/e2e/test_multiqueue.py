@@ -58,6 +58,7 @@ def test_outputs_under_multiqueue_equal_peft_and_nothing_is_held_when_idle(serve
 
     with ThreadPoolExecutor(max_workers=8) as executor:
         responses = list(executor.map(generate, work))
+    oracle.prefetch([(entry and entry["path"], ids, n) for entry, ids, n in work], ignore_eos=True)
     for (entry, ids, n), response in zip(work, responses):
         expected = oracle.greedy(entry and entry["path"], ids, n, ignore_eos=True)
         assert_matches(response, expected, f"{entry['name'] if entry else 'base'} under multiqueue")

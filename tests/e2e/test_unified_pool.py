@@ -115,6 +115,7 @@ def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adap
         for order in range(2):  # the second round, in another order, finds most adapters evicted again
             shuffled = work[:] if order == 0 else rng.sample(work, len(work))
             rounds.append((shuffled, list(executor.map(lambda w: generate(server, w[0], w[2], NEW_TOKENS), shuffled))))
+    oracle.prefetch([(path, ids, NEW_TOKENS) for _, path, ids in work], ignore_eos=True)
     for shuffled, responses in rounds:
         for (name, path, ids), response in zip(shuffled, responses):
             expected = oracle.greedy(path, ids, NEW_TOKENS, ignore_eos=True)
