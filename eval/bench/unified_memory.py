@@ -12,8 +12,11 @@ Both servers start once and stay up (idle ones sleep); every repeat replays the 
 arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
 TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock.
 
+Next to the record and its report (`--out`, `.md`), the per-request log (`_requests.jsonl`) and the TTFT
+distribution per rate and arm, every repeat pooled (`.png`; `--plot-only` redraws it from a committed request log).
+
 Usage: .venv/bin/python -m eval.bench.unified_memory [--workload chatbot] [--time-scales 1,2] [--repeats 3]
-           [--out eval/results/unified_memory.jsonl]
+           [--out eval/results/unified_memory.jsonl] [--plot-only]
 """
 
 from __future__ import annotations
@@ -113,7 +116,12 @@ def main() -> None:
                         help="more SGLang flags for every arm alike (e.g. '--lora-drain-wait-threshold 2')")
     parser.add_argument("--arms", default="ours,stock", help="which arms to run (comma-separated)")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="only redraw the TTFT plot (.png next to --out) from its request log")
     args = parser.parse_args()
+    if args.plot_only:
+        print(plot_ttft(args.out.with_name(args.out.stem + "_requests.jsonl"), args.out.with_suffix(".png")))
+        return
 
     from sgl_multilora.embedded import ensure_embedded_model
 
@@ -182,11 +190,45 @@ def main() -> None:
                         bar.update(1)
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                  "runs": runs}
+                  "runs": runs, "plot": plot_ttft(raw, args.out.with_suffix(".png")).name}
         save(args.out, record, report)
     finally:
         for handle in servers.values():
             handle.stop()
+
+
+def plot_ttft(raw: Path, png: Path) -> Path:
+    """The TTFT distribution (CDF, log time axis) of every request in the request log `raw`, one panel per rate,
+    one line per arm, all repeats pooled; saved as `png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ttfts: dict[float, dict[str, list[float]]] = {}
+    for line in raw.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("error") is None and r.get("ttft_s") is not None:
+            rate = round(r["extra"]["request_rate"], 2)
+            ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
+    fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
+    for ax, rate in zip(axes[0], sorted(ttfts)):
+        for arm, color in (("stock", "tab:gray"), ("ours", "tab:blue")):
+            xs = sorted(ttfts[rate].get(arm, []))
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=color,
+                        label=f"{arm} (n={len(xs)}, P99 {nearest_rank(xs, 99):.1f} s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_title(f"{rate:.2f} req/s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("share of requests")
+    fig.suptitle("TTFT: unified pool (ours) vs SGLang's memory layout (stock), same memory")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
 
 
 def report(record: dict) -> str:
@@ -234,6 +276,8 @@ def report(record: dict) -> str:
                 "budget_stops", "lora_batch_skips")
         lines += ["", "Ours' pool and admission counters over the whole run: "
                   + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
+    if record.get("plot"):
+        lines += ["", f"TTFT distribution per rate, every repeat pooled: `{record['plot']}`."]
     return "\n".join(lines) + "\n"
 
 
