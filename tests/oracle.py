@@ -304,8 +304,8 @@ class PeftOracle:
 
 def _length_buckets(keys: list[tuple], batch_size: int) -> Iterator[list[tuple]]:
     """Consecutive runs of `keys` (sorted by prompt length, key[1] the prompt) of at most `batch_size`, a run
-    ending where a prompt is over PAD_SLACK longer than its first: padding a short prompt to a long one's length
-    costs the long one's prefill again, which is what a prefill-bound batch saves."""
+    ending where a prompt is over PAD_SLACK times as long as its first: a short prompt padded to a long one's length
+    costs a long prompt's prefill, more than batching saves where prefill dominates."""
     run: list[tuple] = []
     for key in keys:
         if run and (len(run) == batch_size or len(key[1]) > PAD_SLACK * len(run[0][1])):
