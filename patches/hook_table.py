@@ -100,6 +100,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
           "drop an unloaded adapter's weights and identity"),
     _hook(f"{_LM}.fetch_new_loras", "around", "lora_transformers:fetch_new_loras", ("self", "new_loras"),
           "skip SGLang's slot copies on the path where its LoRA layers are not used"),
+    _hook("sglang.srt.lora.mem_pool.LoRAMemoryPool.init_buffers", "around", "lora_transformers:init_buffers",
+          ("self", "base_model"), "allocate no slot buffers on the path where SGLang's LoRA layers are not used"),
     _hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "before",
           "lora_transformers:forward_batch_init_new", ("cls", "batch"),
           "see the batch's requests (aLoRA activation starts may lie in their cached prefix)"),

@@ -244,6 +244,19 @@ def fetch_new_loras(original, self, new_loras, *args, **kwargs):
     return None  # our layers read the adapters' own tensors; SGLang's slot buffers are not used on this path
 
 
+def init_buffers(original, self, base_model):
+    """AROUND `LoRAMemoryPool.init_buffers`: where our layers compute (the LoRA manager's `init_lora_modules` ran
+    first and set them up), SGLang's slot buffers would never be filled or read (`fetch_new_loras` and
+    `prepare_lora_batch` are ours), so none are allocated: `--max-loras-per-batch` x `--max-lora-rank` over every
+    target module is memory that nothing uses (with the unified pool, memory outside the pool). The pool object
+    stays, with its empty buffer maps, for what SGLang asks of it (`can_support`, its slot bookkeeping)."""
+    if process_state().lora is None:
+        return original(self, base_model)
+    self.base_model = base_model
+    self._num_experts_local = self._get_num_local_experts(base_model)
+    return None
+
+
 def forward_batch_init_new(cls, batch, *args, **kwargs):
     process_state().building.reqs = getattr(batch, "reqs", None)
 

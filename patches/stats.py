@@ -75,9 +75,11 @@ def _tensor_bytes(obj) -> int:
 def adapter_accounting(scheduler) -> dict | None:
     """Bytes of adapter weights one scheduler holds, per adapter name, by owner:
 
-    - `weights`: the copy LoRA layers compute with (ours on the transformers path, where SGLang's slot buffers are
-      unused; SGLang's slot buffers `slot_buffers` otherwise, sized for `--max-loras-per-batch` adapters of
-      `--max-lora-rank` whether or not they are filled);
+    - `weights`: per adapter, the copy our layers compute from on the transformers path (empty with the unified
+      pool, whose slots hold the serving copies while the registry's copies count as `host`; empty where SGLang's
+      layers compute, from `slot_buffers`);
+    - `slot_buffers`: the bytes of SGLang's slot buffers as allocated, sized for `--max-loras-per-batch` adapters of
+      `--max-lora-rank` whether or not they are filled (0 on the transformers path, which allocates none);
     - `host`: SGLang's host copy of every loaded adapter (`LoRAManager.loras`), which it keeps for swapping into slots
       (0 on the transformers path: our layers compute from their own copy and SGLang's is freed);
 
@@ -90,18 +92,17 @@ def adapter_accounting(scheduler) -> dict | None:
     names = {uid: ref.lora_name for uid, ref in getattr(manager, "lora_refs", {}).items()}
     host = {names.get(uid, uid): sum(_tensor_bytes(layer.weights) for layer in adapter.layers)
             for uid, adapter in getattr(manager, "loras", {}).items()}
+    pool = getattr(manager, "memory_pool", None)
+    slots = sum(_tensor_bytes(getattr(pool, attr, None)) for attr in
+                ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
+                 "lm_head_B_buffer", "new_embeddings_buffer"))
     if process_state().lora is not None:
         loaded = process_state().adapters.loaded_items()
         weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in loaded}
-        slots = 0
         if process_state().memory is not None:  # the registry's copies are the host tier; slots hold the rest
             host, weights = weights, {}
     else:
         weights = {}
-        pool = getattr(manager, "memory_pool", None)
-        slots = sum(_tensor_bytes(getattr(pool, attr, None)) for attr in
-                    ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
-                     "lm_head_B_buffer"))
     registry = process_state().adapters
     alora = sorted(name for uid, name in names.items() if (spec := registry.spec(uid)) is not None and spec.is_alora)
     return {"loaded": len(names), "weights": weights, "host": host, "slot_buffers": slots,
