@@ -260,5 +260,6 @@ def test_memory_accounting_is_exact_once_idle(server, manifest, model_path):
     assert {"racer", "reloaded"}.isdisjoint(adapters["weights"]) and {"racer", "reloaded"}.isdisjoint(adapters["host"])
     assert set(adapters["host"]) == set(adapters["weights"]) and adapters["loaded"] == len(adapters["weights"])
     assert sum(adapters["host"].values()) == 0, adapters  # SGLang's copy is freed: our layers compute from ours
+    assert adapters["slot_buffers"] == 0, adapters  # and SGLang's slot buffers, which they never read, not allocated
     assert adapters["total"] == sum(adapters["weights"].values()) + sum(adapters["host"].values()) \
         + adapters["slot_buffers"]
