@@ -186,19 +186,29 @@ class PeftOracle:
         if cached is not None and (len(cached.tokens) >= max_new_tokens or cached.stopped_at_eos):
             return cached.head(max_new_tokens)
         model = self._select(adapter_dir)
-        start = None if adapter_dir is None else self.activation_start(adapter_dir, input_ids)
-        if start is not None:
-            start += activation_shift
-            assert 0 <= start < len(input_ids), f"activation start {start} outside the prompt"
-        with one_thread():
-            if model is None and self.peft is not None:
-                with self.peft.disable_adapter():
-                    out = self._decode(self.peft, input_ids, max_new_tokens, ignore_eos, None)
-            else:
-                out = self._decode(model if model is not None else self.base, input_ids, max_new_tokens,
-                                   ignore_eos, start)
+        start = self._shifted_start(adapter_dir, input_ids, activation_shift)
+        with one_thread(), self._serving(model) as module:
+            out = self._decode(module, input_ids, max_new_tokens, ignore_eos, start)
         self._cache[key] = out
         return out
+
+    def _shifted_start(self, adapter_dir: str | None, input_ids: list[int], shift: int) -> int | None:
+        """The aLoRA activation start moved by `shift` (None for the base model or a standard LoRA)."""
+        start = None if adapter_dir is None else self.activation_start(adapter_dir, input_ids)
+        if start is not None:
+            start += shift
+            assert 0 <= start < len(input_ids), f"activation start {start} outside the prompt"
+        return start
+
+    @contextlib.contextmanager
+    def _serving(self, model) -> Iterator[torch.nn.Module]:
+        """The module to run for `model` (None: the base model, which is the PEFT model with its adapters disabled
+        once one is loaded)."""
+        if model is None and self.peft is not None:
+            with self.peft.disable_adapter():
+                yield self.peft
+        else:
+            yield model if model is not None else self.base
 
     @torch.no_grad()
     def prefetch(self, items, *, ignore_eos: bool = False, batch_size: int = 8) -> None:
@@ -226,22 +236,10 @@ class PeftOracle:
             is_alora = model is not None and bool(model.peft_config[self.loaded[adapter_dir]].alora_invocation_tokens)
             for chunk in _length_buckets(sorted(rows, key=lambda k: len(rows[k][0])), batch_size):
                 prompts = [rows[k][0] for k in chunk]
-                starts = None
-                if is_alora:
-                    starts = []
-                    for k in chunk:
-                        start = self.activation_start(adapter_dir, rows[k][0])
-                        if start is not None:
-                            start += rows[k][2]
-                            assert 0 <= start < len(rows[k][0]), f"activation start {start} outside the prompt"
-                        starts.append(start)
-                steps = max(rows[k][1] for k in chunk)
-                if model is None and self.peft is not None:
-                    with self.peft.disable_adapter():
-                        outs = self._decode_batch(self.peft, prompts, steps, ignore_eos, None)
-                else:
-                    outs = self._decode_batch(model if model is not None else self.base, prompts, steps,
-                                              ignore_eos, starts)
+                starts = [self._shifted_start(adapter_dir, rows[k][0], rows[k][2]) for k in chunk] if is_alora \
+                    else None
+                with self._serving(model) as module:
+                    outs = self._decode_batch(module, prompts, max(rows[k][1] for k in chunk), ignore_eos, starts)
                 for k, out in zip(chunk, outs):
                     self._cache[k] = out
 
