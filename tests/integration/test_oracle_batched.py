@@ -1,8 +1,10 @@
 """The PEFT oracle's batched path (`PeftOracle.prefetch`) against its one-prompt-at-a-time path (`greedy` on a fresh
 oracle): the same tokens, the same EOS stops, logprobs and top-k equal within the comparison's tolerance (held by
 `assert_matches` itself, uncounted). The e2e modules prefetch their PEFT outputs through this path, so a padding,
-position or aLoRA-offset mistake in it would show here first, on prompts of unequal lengths, rows that stop at EOS
-while others go on, an aLoRA row without its invocation sequence, and shifted activation starts."""
+attention-mask or aLoRA-offset mistake in it would show here first, on prompts of unequal lengths, rows that stop at
+EOS while others go on, an aLoRA row without its invocation sequence, and shifted activation starts. (Dropping the
+mask, or an offset one token off, fails it; wrong positions alone would not: rotary attention sees only relative
+positions, so a row shifted by its padding computes the same.)"""
 
 from __future__ import annotations
 
