@@ -5,17 +5,23 @@ and its per-request slot indices; we turn those into a per-token slot index (NO_
 base requests) in the step's `SegmentMeta`, and weight tables read in place. Ranks are not padded in the
 compute: each slot runs at its own rank. Decode CUDA graphs read fixed-size buffers refilled by
 `prepare_lora_batch` without a host sync, so the set of adapters may change between capture and replay.
+With the unified pool on (`--radix-cache-backend multilora`), SGLang's layers hold zero-byte placeholders instead of
+stacked buffers, and each slot's weights are read in place from the adapter's KV slots (`bind_pool`; the mapping
+is drawn in `lora_pool_layers.py`).
 Not here: the kernels themselves.
 Unsupported here: embedding / lm_head LoRA, MoE LoRA and DP attention (refused up front with a clear error).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.utils import LoRABatchInfo, generate_sequence_lengths
 
 from sgl_multilora.patches import flags
+from sgl_multilora.patches.state import process_state
 from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.expand import lora_expand, lora_expand_ref
 from sgl_multilora.triton_kernels.ops import lora_forward, resolve_impl
@@ -45,6 +51,13 @@ class MultiLoRABackend(BaseLoRABackend):
         # cached per weight buffer stay valid across steps.
         self._ranks = torch.zeros(max(1, max_loras_per_batch), dtype=torch.int32, device=device)
         self._scalings = torch.zeros(max(1, max_loras_per_batch), dtype=torch.float32, device=device)
+        # The unified pool: placeholder data_ptr -> the module it stands for; per module, this binding's weights
+        # (their device tables refilled in place, so captured decode graphs read the current binding).
+        self.pool_modules: dict[int, PoolModule] = {}
+        self._pool_key: tuple | None = None
+        self._pool_weights: dict[tuple[int, str], LoRAWeights] = {}
+        self._pool_tables: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        process_state().lora_backend = self
 
     # ---- batch metadata ----------------------------------------------------------------------------------
 
@@ -164,8 +177,75 @@ class MultiLoRABackend(BaseLoRABackend):
             return y
         # LoRA may cover only a prefix of the base output's partitions (SGLang's lora_n_slices < n_slices)
         target = y if y.shape[1] == offsets[-1] else y[:, : offsets[-1]]
-        lora_forward(x.contiguous(), target, self.meta, self._weights(a, b, tuple(offsets)), impl=self.impl)
+        w = self._pool_lookup(a) or self._weights(a, b, tuple(offsets))
+        lora_forward(x.contiguous(), target, self.meta, w, impl=self.impl)
         return y
+
+    # ---- the unified pool ------------------------------------------------------------------------------------
+
+    def use_pool(self, modules: list[PoolModule]) -> None:
+        """SGLang's layers hold placeholders for `modules` (each by the data_ptr of its A and of its B): their
+        weights come from the slots `bind_pool` names."""
+        self.pool_modules = {}
+        for m in modules:
+            self.pool_modules[m.a_ptr] = self.pool_modules[m.b_ptr] = m
+        self._pool_key = None
+        self._pool_weights.clear()
+        self._pool_tables.clear()
+
+    def bind_pool(self, slots) -> None:
+        """Per batch slot, the adapter whose weights it computes with (a `LoadedAdapter` of views into its KV
+        slots) or None; after `prepare_lora_batch` (which set the slots' scalings). Nothing is rebuilt while the
+        binding is unchanged; on a change every module's weights are rebuilt and, on a GPU, their device tables
+        refilled in place (a captured decode graph reads them at replay)."""
+        if len(slots) != self.max_loras_per_batch:
+            raise ValueError(f"{len(slots)} slots bound, max_loras_per_batch={self.max_loras_per_batch}")
+        scalings = self.scalings_cpu + (0.0,) * (len(slots) - len(self.scalings_cpu))
+        key = (tuple(0 if v is None else id(v) for v in slots), scalings)
+        if key == self._pool_key:
+            return
+        self._pool_key, self._pool_slots = key, tuple(slots)
+        for m in set(self.pool_modules.values()):
+            self._pool_weights[(m.layer, m.module)] = self._bind_module(m, slots, scalings)
+
+    def _bind_module(self, m: PoolModule, slots, scalings) -> LoRAWeights:
+        n = len(m.offsets) - 1
+        a_views, b_views, ranks = [], [], []
+        for views in slots:
+            pair = None if views is None else views.weights.get((m.layer, m.module))
+            if pair is None:
+                a_views.append(()), b_views.append(()), ranks.append(0)
+                continue
+            a, b = pair
+            r = a.shape[0] // n
+            if a.shape != (n * r, m.in_features) or b.shape != (m.offsets[-1], r) or a.dtype != m.dtype:
+                raise RuntimeError(f"pool weights of layer {m.layer} {m.module} are {a.dtype} {tuple(a.shape)} / "
+                                   f"{tuple(b.shape)}; the layer needs {m.dtype} ({n} * rank, {m.in_features}) / "
+                                   f"({m.offsets[-1]}, rank)")
+            a_views.append(tuple(a[j * r:(j + 1) * r] for j in range(n)))
+            b_views.append(tuple(b[m.offsets[j]:m.offsets[j + 1]] for j in range(n)))
+            ranks.append(r)
+        w = LoRAWeights(in_features=m.in_features, slice_offsets=m.offsets, max_rank=m.max_rank,
+                        ranks_cpu=tuple(ranks), scalings_cpu=scalings, a_views=tuple(a_views),
+                        b_views=tuple(b_views), dtype=m.dtype, device=m.device, keepalive=tuple(slots))
+        if self.impl == "triton":  # the torch references read the views; the kernels read device tables
+            fresh = w.tables()
+            key = (m.layer, m.module)
+            tables = self._pool_tables.setdefault(key, fresh)
+            if tables is not fresh:
+                for name, t in fresh.items():
+                    tables[name].copy_(t)
+            w._tables["ptrs"] = tables
+        return w
+
+    def _pool_lookup(self, t: torch.Tensor) -> LoRAWeights | None:
+        m = self.pool_modules.get(t.data_ptr()) if self.pool_modules else None
+        if m is None:
+            return None
+        w = self._pool_weights.get((m.layer, m.module))
+        if w is None:
+            raise RuntimeError("LoRA op on a pool placeholder before bind_pool (the prepare_lora_batch hook is off?)")
+        return w
 
     def forward_with_base(self, layer, x, base_fn, lora_a, lora_b, output_offset, offsets, *, all_reduce=None,
                           kind="linear", pruned_batch_info=None):
@@ -178,7 +258,7 @@ class MultiLoRABackend(BaseLoRABackend):
         slots, rows, _ = weights.shape
         t = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
         if rows:
-            w = self._weights(weights, None, tuple(range(0, stack_num + 1)))  # offsets unused by shrink
+            w = self._pool_lookup(weights) or self._weights(weights, None, tuple(range(0, stack_num + 1)))
             (lora_shrink if self.impl == "triton" else lora_shrink_ref)(x.contiguous(), t, self.meta, w)
         return t.to(x.dtype)
 
@@ -189,7 +269,7 @@ class MultiLoRABackend(BaseLoRABackend):
         if y is None:
             y = torch.zeros(x.shape[0], offsets[-1], dtype=weights.dtype, device=x.device)
         if weights.shape[-1]:
-            w = self._weights(None, weights, offsets)
+            w = self._pool_lookup(weights) or self._weights(None, weights, offsets)
             (lora_expand if self.impl == "triton" else lora_expand_ref)(x.float().contiguous(), y, self.meta, w)
         return y
 
@@ -217,6 +297,23 @@ class MultiLoRABackend(BaseLoRABackend):
         if bad:
             raise ValueError(f"--lora-backend multilora does not support LoRA on {bad}; "
                              "drop them from --lora-target-modules or use --lora-backend triton")
+
+
+@dataclass(frozen=True)
+class PoolModule:
+    """One SGLang LoRA module whose weights the pool holds: its layer and target name, its placeholders' data_ptrs,
+    its input width, output slice offsets, the server's maximum rank (the shrink output's column stride), dtype and
+    device."""
+
+    layer: int
+    module: str
+    a_ptr: int
+    b_ptr: int
+    in_features: int
+    offsets: tuple[int, ...]
+    max_rank: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 def _max_step_tokens(server_args) -> int:

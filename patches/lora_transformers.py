@@ -28,7 +28,7 @@ from sgl_multilora.adapters import (
     read_spec,
     resolve_under_root,
 )
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, lora_pool_layers
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.pool import ExceedsPoolError
@@ -213,14 +213,23 @@ def load_lora_adapter(original, self, lora_ref):
             process_state().adapters.remove(lora_ref.lora_id)
             return self.create_lora_update_result(success=False, error_message=str(e))
     result = original(self, lora_ref)
-    if result.success:
-        process_state().adapters.add(lora_ref.lora_id, spec)
-        if state is not None:
-            drop_sglang_weights(self, lora_ref.lora_id)
-            if memory is not None:
-                memory.register(lora_ref.lora_id, process_state().adapters.loaded(lora_ref.lora_id))
-    else:
+    if not result.success:
         process_state().adapters.remove(lora_ref.lora_id)
+        return result
+    process_state().adapters.add(lora_ref.lora_id, spec)
+    if state is not None:
+        drop_sglang_weights(self, lora_ref.lora_id)
+    elif lora_pool_layers.on() and getattr(self, "memory_pool", None) is not None:  # after start-up (see `adopt`)
+        try:
+            lora_pool_layers.adopt(self)
+            if memory is not None:
+                memory.check_fits(process_state().adapters.loaded(lora_ref.lora_id))
+        except (RuntimeError, ValueError, ExceedsPoolError) as e:
+            self._unload_lora_adapter(lora_ref)
+            return self.create_lora_update_result(success=False, error_message=str(e))
+    loaded = process_state().adapters.loaded(lora_ref.lora_id)
+    if memory is not None and loaded is not None:
+        memory.register(lora_ref.lora_id, loaded)
     return result
 
 
@@ -251,6 +260,8 @@ def init_buffers(original, self, base_model):
     target module is memory that nothing uses (with the unified pool, memory outside the pool). The pool object
     stays, with its empty buffer maps, for what SGLang asks of it (`can_support`, its slot bookkeeping)."""
     if process_state().lora is None:
+        if lora_pool_layers.on():  # SGLang's layers on our backend, adapters in the unified pool
+            return lora_pool_layers.allocate_placeholders(self, base_model)
         return original(self, base_model)
     self.base_model = base_model
     self._num_experts_local = self._get_num_local_experts(base_model)
@@ -264,5 +275,7 @@ def forward_batch_init_new(cls, batch, *args, **kwargs):
 def prepare_lora_batch(original, self, forward_batch):
     state = _state(self)
     if state is None:
-        return original(self, forward_batch)
+        result = original(self, forward_batch)
+        lora_pool_layers.bind(self, forward_batch)
+        return result
     state.prepare(forward_batch)

@@ -13,7 +13,7 @@ import logging
 import time
 
 import torch
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, lora_pool_layers
 from sgl_multilora.patches.host_kv import LiveHostTier
 from sgl_multilora.patches.ingress import decode_extra_key
 from sgl_multilora.patches.state import process_state
@@ -67,6 +67,7 @@ class MultiLoRARadixCache(RadixCache):
                 self.host = self.memory.host = LiveHostTier(self.memory, host_kv_gb * 1e9)
             logger.info("sgl_multilora: one pool for adapters and KV: %d slots of %d B, eviction policy %s",
                         allocator.pool.num_slots, allocator.pool.slot_bytes, self.memory.policy.name)
+        lora_pool_layers.check_memory(self.memory)
 
     # ---- keys -------------------------------------------------------------------------------------------------
 

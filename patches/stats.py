@@ -63,8 +63,8 @@ def _kv_bytes_per_token(allocator) -> int | None:
 def _tensor_bytes(obj) -> int:
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+    if isinstance(obj, torch.Tensor):  # an expanded tensor (the pool's placeholders) counts its storage only
+        return min(obj.numel() * obj.element_size(), obj.untyped_storage().nbytes())
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -79,9 +79,11 @@ def adapter_accounting(scheduler) -> dict | None:
       pool, whose slots hold the serving copies while the registry's copies count as `host`; empty where SGLang's
       layers compute, from `slot_buffers`);
     - `slot_buffers`: the bytes of SGLang's slot buffers as allocated, sized for `--max-loras-per-batch` adapters of
-      `--max-lora-rank` whether or not they are filled (0 on the transformers path, which allocates none);
+      `--max-lora-rank` whether or not they are filled (0 on the transformers path, which allocates none, and with
+      the unified pool under SGLang's layers, whose placeholders hold none);
     - `host`: SGLang's host copy of every loaded adapter (`LoRAManager.loras`), which it keeps for swapping into slots
-      (0 on the transformers path: our layers compute from their own copy and SGLang's is freed);
+      (0 on the transformers path: our layers compute from their own copy and SGLang's is freed); with the unified
+      pool, the registry's copy (the pool loads adapters from it), which replaces SGLang's;
 
     After an adapter is unloaded none of its bytes remain.
     """
@@ -96,12 +98,9 @@ def adapter_accounting(scheduler) -> dict | None:
     slots = sum(_tensor_bytes(getattr(pool, attr, None)) for attr in
                 ("A_buffer", "B_buffer", "embedding_A_buffer", "embedding_B_buffer", "lm_head_A_buffer",
                  "lm_head_B_buffer", "new_embeddings_buffer"))
-    if process_state().lora is not None:
-        loaded = process_state().adapters.loaded_items()
-        weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in loaded}
-        if process_state().memory is not None:  # the registry's copies are the host tier; slots hold the rest
-            host, weights = weights, {}
-    else:
+    weights = {names.get(uid, uid): adapter.num_bytes() for uid, adapter in process_state().adapters.loaded_items()}
+    if weights and process_state().memory is not None:  # the registry's copies are the host tier; slots hold the rest
+        host = {**{k: v for k, v in host.items() if v}, **weights}
         weights = {}
     registry = process_state().adapters
     alora = sorted(name for uid, name in names.items() if (spec := registry.spec(uid)) is not None and spec.is_alora)

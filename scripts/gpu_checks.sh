@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the GPU tests (kernels compiled, CUDA-graph replay, the host tier's
-# side-stream copies), then the GPU benchmarks (segmented LoRA kernels vs SGLang's, host-tier copies vs recompute).
+# side-stream copies), then the GPU benchmarks (segmented LoRA kernels vs SGLang's, host-tier copies vs recompute,
+# weights read in place from the unified pool vs stacked slot buffers).
 # Works on a machine with PyTorch, Triton and transformers but no SGLang: SGLang's LoRA kernels are staged from
 # the installed wheel first (`python -m eval.bench.sglang_kernels .gpu_stage` where SGLang is installed) and
 # carried in .gpu_stage/.
@@ -20,6 +21,7 @@ date -u +%FT%TZ | tee -a "$out/device.txt"
 timeout 120 $py -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_host_kv_store.py 2>&1 \
   | tee "$out/pytest_gpu.log" | tail -25
 timeout 180 $py -m eval.bench.host_copy_gpu --out "$out/host_copy_gpu.jsonl" 2>&1 | tee "$out/host_copy_gpu.log" | tail -8
+timeout 240 $py -m eval.bench.pool_views_gpu --out "$out/pool_views_gpu.jsonl" 2>&1 | tee "$out/pool_views_gpu.log" | tail -4
 timeout $((budget + 150)) $py -m eval.bench.lora_kernels --max-seconds "$budget" --out "$out/lora_kernels.jsonl" \
   2>&1 | tee "$out/lora_kernels.log" | tail -4
 ls -la "$out"

@@ -74,3 +74,64 @@ def test_cuda_graph_replay_with_a_different_adapter_set():
         p.token_slot = token_slot.clone()
         expected = expected_output(_cpu(p))
         torch.testing.assert_close(y.double().cpu(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _in_kv_buffer(kv: torch.Tensor, tensors: list[torch.Tensor | None], start: int) -> list[torch.Tensor | None]:
+    """Copies `tensors` into consecutive areas of one flat KV-shaped buffer from element `start` on (as the unified
+    pool places an adapter's matrices in its slots) and returns those views."""
+    flat, out = kv.view(-1), []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        view = flat[start:start + t.numel()].view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        start += t.numel() + 64  # areas need not be adjacent
+    return out
+
+
+def test_cuda_graph_replay_reads_pool_views_through_tables_refilled_in_place():
+    """What `--lora-backend multilora` does with the unified pool: weights are views of the KV buffer, the kernels
+    read them through device tables that keep their addresses; a new binding (other adapters, other places in
+    the buffer, other ranks, an empty slot) refills the tables in place and a graph captured before replays it."""
+    dtype, n, slots = torch.bfloat16, 32, 4
+    kv = torch.zeros(4096, 2, 8, 128, dtype=dtype, device="cuda")  # 4096 slots, 2 heads x 128, one layer's K
+    first = _to_cuda(make_problem(num_tokens=n, in_features=1024, slice_widths=[1024, 256, 256],
+                                  ranks=[16, 64, 8, 32], popularity="uniform", dtype=dtype, seed=1))
+    second = _to_cuda(make_problem(num_tokens=n, in_features=1024, slice_widths=[1024, 256, 256],
+                                   ranks=[64, 8, None, 16], popularity="uniform", dtype=dtype, seed=2))
+
+    def bind(p, start):
+        a = _in_kv_buffer(kv, p.lora_a, start)
+        b = _in_kv_buffer(kv, p.lora_b, start + 3_000_000)
+        return LoRAWeights.from_list(a, b, p.scalings, p.slice_offsets)
+
+    weights = bind(first, 0)
+    tables = weights.tables()  # the fixed tables the graph reads
+    meta = SegmentMeta.make(n, slots, "cuda")
+    x, y, t = first.x.clone(), first.y0.clone(), shrink_buffer(n, weights, torch.device("cuda"))
+    token_slot = torch.tensor([0, 1, 2, 3] * (n // 4), dtype=torch.int32, device="cuda")
+    meta.prepare(token_slot)
+    first.token_slot = token_slot.clone()
+
+    def step():
+        y.copy_(first.y0)
+        lora_forward(x, y, meta, weights, impl="triton", t=t)
+
+    step()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.double().cpu(), expected_output(_cpu(first)), atol=TOL[dtype], rtol=TOL[dtype])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    rebound = bind(second, 1_000_000)
+    assert rebound.max_rank == weights.max_rank
+    for name, fresh in rebound.tables().items():
+        tables[name].copy_(fresh)
+    token_slot.copy_(torch.tensor([0, 2, 1, 3, -1, 0, 0, 3] * (n // 8), dtype=torch.int32))
+    meta.prepare(token_slot)
+    graph.replay()
+    torch.cuda.synchronize()
+    second.token_slot, second.x, second.y0 = token_slot.clone(), first.x, first.y0
+    torch.testing.assert_close(y.double().cpu(), expected_output(_cpu(second)), atol=TOL[dtype], rtol=TOL[dtype])
