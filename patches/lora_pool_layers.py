@@ -12,8 +12,9 @@ sits in which batch slot, and its per-batch cap.
   views[(l, "qkv_proj")] = (A: (3 r, in), B: (q + k + v out, r))  inside k_buffer[l] / v_buffer[l] rows of its slots
 ```
 Host copies: once SGLang has loaded and normalised an adapter (fused per module as its layers read them, sliced for
-this tensor-parallel rank), that form becomes the registry's host copy and SGLang's own tensors are freed, so each
-adapter is held once on the host. The pool sizes and places it like any adapter (`slot_layout.py`).
+this tensor-parallel rank), that form becomes the registry's host copy and SGLang's own tensors are freed
+(`host_memory.py`), so each adapter is held once on the host. The pool sizes and places it like any adapter
+(`slot_layout.py`).
 Refused with a clear error at start-up: MoE LoRA and embedding / lm_head LoRA (the backend refuses the latter),
 a KV pool the unified allocator cannot take over, a KV dtype other than the LoRA weights' dtype.
 """
@@ -25,7 +26,7 @@ import logging
 import torch
 
 from sgl_multilora.adapters import AdapterSpec, LoadedAdapter
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, host_memory
 from sgl_multilora.patches.lora_backend import PoolModule
 from sgl_multilora.patches.state import process_state
 
@@ -105,19 +106,6 @@ def host_copy(manager, lora_id: str, spec: AdapterSpec) -> LoadedAdapter:
     return LoadedAdapter(spec, weights)
 
 
-def drop_sglang_weights(manager, lora_id: str) -> None:
-    """Frees SGLang's host copy of an adapter whose weights another copy serves (its config and scaling stay:
-    SGLang reads them per batch)."""
-    adapter = getattr(manager, "loras", {}).get(lora_id)
-    if adapter is None:
-        return
-    for layer in adapter.layers:
-        for attr in ("weights", "pinned_weights"):
-            table = getattr(layer, attr, None)
-            if isinstance(table, dict):
-                table.clear()
-
-
 def adopt(manager) -> None:
     """Every adapter SGLang holds that the registry has no host copy of yet gets one (`host_copy`); SGLang's is
     freed. Called once SGLang's layers and pool exist (adapters given at start-up load before them)."""
@@ -127,7 +115,8 @@ def adopt(manager) -> None:
         if spec is None or registry.loaded(lora_id) is not None:
             continue
         registry.stage(lora_id, host_copy(manager, lora_id, spec))
-        drop_sglang_weights(manager, lora_id)
+        host_memory.drop_sglang_weights(manager, lora_id)
+    host_memory.release()
 
 
 def bind(manager, forward_batch) -> None:

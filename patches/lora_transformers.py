@@ -28,7 +28,7 @@ from sgl_multilora.adapters import (
     read_spec,
     resolve_under_root,
 )
-from sgl_multilora.patches import flags, lora_pool_layers
+from sgl_multilora.patches import flags, host_memory, lora_pool_layers
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.pool import ExceedsPoolError
@@ -173,17 +173,8 @@ def init_lora_modules(original, self):
             state.load(lora_ref)
         except AdapterError as e:
             raise RuntimeError(str(e)) from None
-        drop_sglang_weights(self, lora_id)
-
-
-def drop_sglang_weights(manager, lora_id: str) -> None:
-    """Frees SGLang's host copy of an adapter's weights on the transformers path, where our layers compute from their
-    own copy and SGLang's slot buffers are never filled (`fetch_new_loras`); its config and scaling stay, as SGLang
-    reads them per batch. Without this every adapter is held twice."""
-    adapter = getattr(manager, "loras", {}).get(lora_id)
-    if adapter is not None:
-        for layer in adapter.layers:
-            layer.weights.clear()
+        host_memory.drop_sglang_weights(self, lora_id)
+    host_memory.release()
 
 
 def _checked_ref(lora_ref):
@@ -218,7 +209,8 @@ def load_lora_adapter(original, self, lora_ref):
         return result
     process_state().adapters.add(lora_ref.lora_id, spec)
     if state is not None:
-        drop_sglang_weights(self, lora_ref.lora_id)
+        host_memory.drop_sglang_weights(self, lora_ref.lora_id)
+        host_memory.release()
     elif lora_pool_layers.on() and getattr(self, "memory_pool", None) is not None:  # after start-up (see `adopt`)
         try:
             lora_pool_layers.adopt(self)

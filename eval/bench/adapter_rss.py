@@ -6,8 +6,12 @@ Arms (one server each, started one after the other, the same device pool of `--p
 - `unified`: the random PEFT adapters of the unified-memory benchmark (`--multilora-adapter-dir`), the tree and the
   unified pool: adapters live in KV slots, the process keeps one host copy of each;
 - `separate`: the same with `--multilora-memory separate` (each adapter in its own tensors, for comparison).
-In every arm one base request and then one request per adapter run (so each adapter has been resident), then the
-process tree's RSS is read when idle. The report gives each arm's RSS minus `none`'s next to the adapters' weight
+In every arm the KV pool is first filled once with base prompts (distinct token ids, more tokens than the pool
+holds, so every slot has been written): a buffer's pages count in RSS once written, and the unified arm writes
+adapters into pool pages, so every arm's pool is written whole before anything is read (SGLang zero-fills its CPU
+pool, so on this path they are resident from the start anyway: RSS after the fill is recorded too). Then one base
+request and one request per adapter run (so each adapter has been resident), and the process tree's RSS is read
+when idle. The report gives each arm's RSS minus `none`'s next to the adapters' weight
 bytes (fp32, what one host copy takes): the issue's rule is "memory outside the pool grows by at most one host copy
 per adapter loaded".
 
@@ -32,6 +36,21 @@ from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+FILL_PROMPT_TOKENS = 1000
+
+
+def fill_pool(url: str, pool_tokens: int) -> None:
+    """Base prompts of distinct token ids whose KV, cached in the tree, takes more slots than the pool has: every
+    slot is written once (the pool fills before anything is evicted)."""
+    base, total = 1000, 0
+    while total < pool_tokens * 1.2:
+        ids = list(range(base, base + FILL_PROMPT_TOKENS))
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        res = requests.post(url + "/generate", json=body, timeout=600)
+        res.raise_for_status()
+        base, total = base + FILL_PROMPT_TOKENS, total + FILL_PROMPT_TOKENS
 
 
 def exercise(url: str, names: list[str]) -> None:
@@ -73,10 +92,13 @@ def main(argv=None) -> None:
         server = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *extra],
                         log_path=log_dir / f"adapter_rss_{name}.log")
         try:
+            fill_pool(server.url, args.pool_tokens)
+            time.sleep(2.0)
+            after_fill, _ = process_tree_rss(server.process.pid)
             exercise(server.url, [] if name == "none" else [a.name for a in workload.adapters])
             time.sleep(2.0)
             total, by_process = process_tree_rss(server.process.pid)
-            rss[name] = {"total": total, "by_process": by_process}
+            rss[name] = {"total": total, "by_process": by_process, "after_fill": after_fill}
             print(f"{name}: RSS {total / 2**20:.0f} MiB", flush=True)
         finally:
             server.stop()
@@ -86,6 +108,7 @@ def main(argv=None) -> None:
         "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "rss": rss,
+        "method": "pool filled with base prompts first (every slot written), then one request per adapter",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
@@ -94,11 +117,14 @@ def main(argv=None) -> None:
     lines = [f"# Adapter memory outside the pool ({record['date'][:10]})", "",
              f"{args.num_adapters} random PEFT adapters of rank {', '.join(map(str, ranks))} ({weight_bytes / mib:.0f} "
              f"MiB of fp32 weights: one host copy); every arm {args.pool_tokens} pool slots; RSS of the server's "
-             "process tree when idle, after one request per adapter. One run per arm (RSS, not timing).", "",
-             "| arm | RSS MiB | minus `none` MiB | / one host copy of the adapters |", "|---|---:|---:|---:|"]
+             "process tree when idle, after the pool was filled once with base prompts (every slot written, so "
+             "pool pages count in every arm alike) and one request per adapter. One run per arm (RSS, not timing).",
+             "", "| arm | RSS after the fill MiB | RSS MiB | minus `none` MiB | / one host copy of the adapters |",
+             "|---|---:|---:|---:|---:|"]
     for name in arms:
         delta = rss[name]["total"] - rss["none"]["total"]
-        lines.append(f"| {name} | {rss[name]['total'] / mib:.0f} | {delta / mib:.0f} | {delta / weight_bytes:.2f} |")
+        lines.append(f"| {name} | {rss[name]['after_fill'] / mib:.0f} | {rss[name]['total'] / mib:.0f} | "
+                     f"{delta / mib:.0f} | {delta / weight_bytes:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.with_suffix(".md").write_text(text)

@@ -172,13 +172,14 @@ def pool_views_report(records: list[dict]) -> str:
         f"{r['repeats']} medians of 50 replays. Outputs agree up to the order of split-K's atomic adds.", "",
         f"**Pool / stacked over {s['shapes']} shapes: median {s['median_pool_over_stacked']:.3f}x "
         f"(min {s['min']:.3f}, max {s['max']:.3f}).**", "",
-        "| module | tokens | adapters | rank | stacked us | pool us | pool / stacked |", "|---|---|---|---|---|---|---|",
+        "| module | tokens | adapters | rank | stacked us | pool us | pool / stacked |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in r["results"]:
         lines.append(f"| {row['module']} | {row['tokens']} | {row['adapters']} | {row['rank']} | "
                      f"{row['stacked_us']:.1f} | {row['pool_us']:.1f} | {row['pool_over_stacked']:.3f} |")
-    lines += ["", "Not measured here: a live GPU server with the pool (SGLang cannot be installed on the lent machine); "
-              "the binding's table refills, which happen only when the adapters in the batch slots change "
+    lines += ["", "Not measured here: a live GPU server with the pool (SGLang cannot be installed on the lent "
+              "machine); the binding's table refills, which happen only when the adapters in the batch slots change "
               "(tests/gpu/test_lora_kernels_cuda.py replays a captured graph across one).", ""]
     return "\n".join(lines)
 
