@@ -26,7 +26,7 @@ from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.expand import lora_expand, lora_expand_ref
 from sgl_multilora.triton_kernels.ops import lora_forward, resolve_impl
 from sgl_multilora.triton_kernels.shrink import lora_shrink, lora_shrink_ref
-from sgl_multilora.triton_kernels.weights import LoRAWeights
+from sgl_multilora.triton_kernels.weights import LoRAWeights, TableSet
 
 NAME = "multilora"
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
@@ -56,7 +56,7 @@ class MultiLoRABackend(BaseLoRABackend):
         self.pool_modules: dict[int, PoolModule] = {}
         self._pool_key: tuple | None = None
         self._pool_weights: dict[tuple[int, str], LoRAWeights] = {}
-        self._pool_tables: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._table_set: TableSet | None = None  # the Triton kernels' tables of every pool module
         process_state().lora_backend = self
 
     # ---- batch metadata ----------------------------------------------------------------------------------
@@ -191,21 +191,35 @@ class MultiLoRABackend(BaseLoRABackend):
             self.pool_modules[m.a_ptr] = self.pool_modules[m.b_ptr] = m
         self._pool_key = None
         self._pool_weights.clear()
-        self._pool_tables.clear()
+        self._table_set = None
 
     def bind_pool(self, slots) -> None:
         """Per batch slot, the adapter whose weights it computes with (a `LoadedAdapter` of views into its KV
         slots) or None; after `prepare_lora_batch` (which set the slots' scalings). Nothing is rebuilt while the
-        binding is unchanged; on a change every module's weights are rebuilt and, on a GPU, their device tables
-        refilled in place (a captured decode graph reads them at replay)."""
+        binding is unchanged. On a change: for the Triton kernels, every module's device tables are refilled in
+        place at once (`TableSet`: a captured decode graph reads them at replay); for the torch references, each
+        module's views are rebuilt."""
         if len(slots) != self.max_loras_per_batch:
             raise ValueError(f"{len(slots)} slots bound, max_loras_per_batch={self.max_loras_per_batch}")
         scalings = self.scalings_cpu + (0.0,) * (len(slots) - len(self.scalings_cpu))
-        key = (tuple(0 if v is None else id(v) for v in slots), scalings)
+        key = (tuple(0 if v is None else id(v) for v in slots), scalings, self.impl)
         if key == self._pool_key:
             return
         self._pool_key, self._pool_slots = key, tuple(slots)
-        for m in set(self.pool_modules.values()):
+        modules = set(self.pool_modules.values())
+        if self.impl == "triton":
+            if self._table_set is None:
+                m0 = next(iter(modules))
+                self._table_set = TableSet({(m.layer, m.module): (m.in_features, m.offsets) for m in modules},
+                                           self.max_loras_per_batch, m0.max_rank, m0.dtype, m0.device)
+            try:
+                self._table_set.refill([None if v is None else v.weights for v in slots], scalings)
+            except ValueError as e:
+                raise RuntimeError(f"pool weights do not fit SGLang's LoRA layers: {e}") from None
+            for m in modules:
+                self._pool_weights[(m.layer, m.module)] = self._table_set.weights((m.layer, m.module))
+            return
+        for m in modules:
             self._pool_weights[(m.layer, m.module)] = self._bind_module(m, slots, scalings)
 
     def _bind_module(self, m: PoolModule, slots, scalings) -> LoRAWeights:
@@ -225,18 +239,9 @@ class MultiLoRABackend(BaseLoRABackend):
             a_views.append(tuple(a[j * r:(j + 1) * r] for j in range(n)))
             b_views.append(tuple(b[m.offsets[j]:m.offsets[j + 1]] for j in range(n)))
             ranks.append(r)
-        w = LoRAWeights(in_features=m.in_features, slice_offsets=m.offsets, max_rank=m.max_rank,
-                        ranks_cpu=tuple(ranks), scalings_cpu=scalings, a_views=tuple(a_views),
-                        b_views=tuple(b_views), dtype=m.dtype, device=m.device, keepalive=tuple(slots))
-        if self.impl == "triton":  # the torch references read the views; the kernels read device tables
-            fresh = w.tables()
-            key = (m.layer, m.module)
-            tables = self._pool_tables.setdefault(key, fresh)
-            if tables is not fresh:
-                for name, t in fresh.items():
-                    tables[name].copy_(t)
-            w._tables["ptrs"] = tables
-        return w
+        return LoRAWeights(in_features=m.in_features, slice_offsets=m.offsets, max_rank=m.max_rank,
+                           ranks_cpu=tuple(ranks), scalings_cpu=scalings, a_views=tuple(a_views),
+                           b_views=tuple(b_views), dtype=m.dtype, device=m.device, keepalive=tuple(slots))
 
     def _pool_lookup(self, t: torch.Tensor) -> LoRAWeights | None:
         m = self.pool_modules.get(t.data_ptr()) if self.pool_modules else None

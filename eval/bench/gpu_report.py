@@ -168,7 +168,7 @@ def pool_views_report(records: list[dict]) -> str:
         "Triton shrink + expand on the same adapters and batch, weights in SGLang's stacked slot buffers (what "
         "`--lora-backend multilora` reads with the pool off) vs views of a KV buffer's rows (each adapter copied "
         "into a slot run of its own, Llama-3-8B's 1,024-element rows, as `LiveMemory` places it: what it reads "
-        "with the pool on). bf16, Llama-3-8B shapes, CUDA-graph replay, arms interleaved, median of "
+        "with the pool on, through one `TableSet` of device tables). bf16, Llama-3-8B shapes, CUDA-graph replay, arms interleaved, median of "
         f"{r['repeats']} medians of 50 replays. Outputs agree up to the order of split-K's atomic adds.", "",
         f"**Pool / stacked over {s['shapes']} shapes: median {s['median_pool_over_stacked']:.3f}x "
         f"(min {s['min']:.3f}, max {s['max']:.3f}).**", "",
@@ -178,9 +178,21 @@ def pool_views_report(records: list[dict]) -> str:
     for row in r["results"]:
         lines.append(f"| {row['module']} | {row['tokens']} | {row['adapters']} | {row['rank']} | "
                      f"{row['stacked_us']:.1f} | {row['pool_us']:.1f} | {row['pool_over_stacked']:.3f} |")
+    for earlier in records[:-1]:
+        lines += ["", f"Earlier record ({earlier['date']}, {earlier['device']}): pool / stacked median "
+                  f"{earlier['summary']['median_pool_over_stacked']:.3f}x ({earlier['summary']['min']:.3f}-"
+                  f"{earlier['summary']['max']:.3f}), each module's tables built from its own views (before "
+                  "`TableSet`)."]
+    rb = r.get("rebinding")
+    if rb:
+        lines += ["", f"Rebinding (the batch slots bound to other adapters: `TableSet.refill` of all {rb['modules']} "
+                  f"LoRA modules of Llama-3-8B, {rb['slots']} slots, rank {rb['rank']}, host time with the copy "
+                  f"synchronised): {rb['first_binding_ms_median']:.2f} ms median when all {rb['slots']} adapters are "
+                  f"bound for the first time (each adapter's table rows computed once), "
+                  f"{rb['rebinding_ms_median'] * 1e3:.0f} us median when bound again (rows cached). It happens only "
+                  "when the adapters in the batch slots change; tests/gpu replays a captured graph across one."]
     lines += ["", "Not measured here: a live GPU server with the pool (SGLang cannot be installed on the lent "
-              "machine); the binding's table refills, which happen only when the adapters in the batch slots change "
-              "(tests/gpu/test_lora_kernels_cuda.py replays a captured graph across one).", ""]
+              "machine).", ""]
     return "\n".join(lines)
 
 

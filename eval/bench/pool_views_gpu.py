@@ -1,9 +1,11 @@
 """What reading adapter weights in place from the unified pool costs the LoRA kernels on a GPU.
 
 The same Triton shrink + expand, the same adapters and batch, two weight layouts: SGLang's stacked slot buffers
-(`LoRAWeights.from_stacked`, each slot padded to one max rank, what `--lora-backend multilora` reads with the pool
-off) and views of a KV buffer (`LoRAWeights.from_list` over each matrix copied into the K / V rows of its own slot
-run, Llama-3-8B's 1,024-element rows, as `LiveMemory` places them; what it reads with the pool on). Both replayed
+(`LoRAWeights.from_stacked`, what `--lora-backend multilora` reads with the pool off) and views of a KV buffer (each
+matrix copied into the K / V rows of its own slot run, Llama-3-8B's 1,024-element rows, as `LiveMemory` places them,
+read through a `TableSet`: what it reads with the pool on). Then what a rebinding costs the host: refilling the
+`TableSet` of all 128 LoRA modules of Llama-3-8B (32 layers x qkv, o, gate_up, down) for 8 batch slots, with
+adapters bound for the first time (each adapter's rows computed) and bound again (rows cached). Both replayed
 from CUDA graphs, arms interleaved, median of `--repeats` medians; outputs compared first (equal up to the order of
 split-K's atomic adds). bf16, Llama-3-8B shapes.
 Not here: the kernels (sgl_multilora/triton_kernels/) or how the pool picks slots (sgl_multilora/slot_layout.py).
@@ -17,6 +19,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +27,7 @@ import torch
 from eval.bench.lora_kernels import MODULES, device_name, problem, time_cuda, versions
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
-from sgl_multilora.triton_kernels.weights import LoRAWeights
+from sgl_multilora.triton_kernels.weights import LoRAWeights, TableSet
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "pool_views_gpu.jsonl"
 ROW = 8 * 128  # one KV row of Llama-3-8B (8 KV heads x 128), the pool's unit of placement
@@ -50,7 +53,9 @@ def pool_copy(stacked: tuple[torch.Tensor, torch.Tensor], rank: int, k: torch.Te
         a_views.append(va)
         b_views.append(vb)
         row += rows + 13
-    return LoRAWeights.from_list(a_views, b_views, [1.0] * len(a_views), offsets)
+    ts = TableSet({"m": (a_buf.shape[2], offsets)}, len(a_views), rank, a_buf.dtype, a_buf.device)
+    ts.refill([{"m": (va, vb)} for va, vb in zip(a_views, b_views)], [1.0] * len(a_views))
+    return ts.weights("m")
 
 
 def measure(module: str, tokens: int, adapters: int, requests: int, rank: int, repeats: int, k, v) -> dict:
@@ -83,6 +88,36 @@ def measure(module: str, tokens: int, adapters: int, requests: int, rank: int, r
             "pool_over_stacked": med["pool"] / med["stacked"], "max_abs_diff": diff, "max_abs": scale}
 
 
+def rebinding_cost(num_slots: int = 8, rank: int = 16, num_adapters: int = 24, repeats: int = 30) -> dict:
+    """Host milliseconds per `TableSet.refill` at Llama-3-8B's 128 modules (synchronised: the copy included)."""
+    dev = torch.device("cuda")
+    offsets = {}
+    for module, (in_f, widths) in MODULES.items():
+        offs = [0]
+        for w in widths:
+            offs.append(offs[-1] + w)
+        offsets[module] = (in_f, tuple(offs))
+    modules = {(layer, m): offsets[m] for layer in range(32) for m in MODULES}
+    ts = TableSet(modules, num_slots, 64, torch.bfloat16, dev)
+    adapters = [{key: (torch.empty((len(offs) - 1) * rank, in_f, dtype=torch.bfloat16, device=dev),
+                       torch.empty(offs[-1], rank, dtype=torch.bfloat16, device=dev))
+                 for key, (in_f, offs) in modules.items()} for _ in range(num_adapters)]
+    scalings = [1.0] * num_slots
+
+    def timed(slots) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ts.refill(slots, scalings)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    first = [timed(adapters[i:i + num_slots]) for i in range(0, num_adapters, num_slots)]
+    again = [timed([adapters[(i + k) % num_adapters] for k in range(num_slots)]) for i in range(repeats)]
+    return {"modules": len(modules), "slots": num_slots, "rank": rank,
+            "first_binding_ms": first, "first_binding_ms_median": statistics.median(first),
+            "rebinding_ms": again, "rebinding_ms_median": statistics.median(again)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -104,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
               "device": device_name(), "versions": versions(), "repeats": args.repeats,
               "summary": {"shapes": len(rows), "median_pool_over_stacked": statistics.median(ratios),
                           "min": ratios[0], "max": ratios[-1]},
-              "results": rows}
+              "results": rows, "rebinding": rebinding_cost()}
+    print(json.dumps({k: v for k, v in record["rebinding"].items() if not isinstance(v, list)}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")

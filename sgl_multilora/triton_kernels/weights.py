@@ -1,6 +1,7 @@
 """`LoRAWeights`: one layer's per-slot weight table, what the LoRA ops read besides the step layout.
 
-Lives here: per-slot, per-slice weights addressed in place by pointer and row stride. Not here: the
+Lives here: per-slot, per-slice weights addressed in place by pointer and row stride (`LoRAWeights`), and the
+tables of many modules refilled together when batch slots are rebound (`TableSet`). Not here: the
 kernels (`shrink.py`, `expand.py`) or the step layout (`SegmentMeta` in `sgl_multilora.segments`).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -204,3 +206,122 @@ class LoRAWeights:
 def _check_2d(t: torch.Tensor, name: str) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-d, got shape {tuple(t.shape)}")
+
+
+class TableSet:
+    """The device tables of many modules' `LoRAWeights` (every LoRA module of a model), refilled together when the
+    batch slots are bound to other adapters: vectorised host arrays (each adapter's rows computed once while it is
+    bound), one host-to-device copy per dtype. Each module's tables are fixed views of three device tensors, so a
+    captured CUDA graph reads the current binding; `weights(key)` is the module's `LoRAWeights` over them (built
+    once; for the Triton kernels: it holds no views).
+
+    `modules`: key -> (in_features, slice_offsets); every module has `num_slots` slots and one `max_rank` (the shrink
+    output's column stride). A slot's weights are a mapping key -> (A (n r, in), B (out, r)), unit column stride."""
+
+    def __init__(self, modules: dict, num_slots: int, max_rank: int, dtype: torch.dtype, device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors report their device with its index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
+        self.keys = list(modules)
+        self.in_features = [int(modules[k][0]) for k in self.keys]
+        self.offsets = [tuple(int(o) for o in modules[k][1]) for k in self.keys]
+        s, m = num_slots, len(self.keys)
+        n_total = sum(len(o) - 1 for o in self.offsets)
+        # int64 table: per module a_ptrs (s), a_row_stride (s), b_row_stride (s), b_ptrs (s x n), module after module
+        starts, o = [], 0
+        for offs in self.offsets:
+            starts.append(o)
+            o += s * (3 + len(offs) - 1)
+        size64 = o
+        pin = self.device.type == "cuda"
+        self._host64 = torch.zeros(size64, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(m * s, dtype=torch.int32, pin_memory=pin)
+        self._hostf = torch.zeros(s, dtype=torch.float32, pin_memory=pin)
+        self._dev64 = torch.zeros(size64, dtype=torch.int64, device=self.device)
+        self._dev32 = torch.zeros(m * s, dtype=torch.int32, device=self.device)
+        self._devf = torch.zeros(s, dtype=torch.float32, device=self.device)
+        # Where slot `slot`'s values of every module go: (slot,) -> index arrays into the host tables.
+        st = np.asarray(starts, dtype=np.int64)
+        b_pos = np.concatenate([starts[i] + 3 * s + np.arange(len(offs) - 1) for i, offs in enumerate(self.offsets)])
+        b_n = np.concatenate([np.full(len(offs) - 1, len(offs) - 1) for offs in self.offsets])
+        self._idx = [(st + slot, st + s + slot, st + 2 * s + slot, b_pos + slot * b_n,
+                      np.arange(m, dtype=np.int64) * s + slot) for slot in range(s)]
+        self._n_total = n_total
+        self._rows: dict[int, tuple] = {}  # id(slot weights) -> (the mapping, its rows): computed once per adapter
+        self._keep: tuple = ()
+        self._copied = torch.cuda.Event() if pin else None
+        self._weights = {}
+        for i, key in enumerate(self.keys):
+            o, n, offs = starts[i], len(self.offsets[i]) - 1, self.offsets[i]
+            tables = {
+                "a_ptrs": self._dev64[o:o + s], "a_row_stride": self._dev64[o + s:o + 2 * s],
+                "b_row_stride": self._dev64[o + 2 * s:o + 3 * s],
+                "b_ptrs": self._dev64[o + 3 * s:o + (3 + n) * s].view(s, n),
+                "ranks": self._dev32[i * s:(i + 1) * s], "scalings": self._devf,
+                "slice_offsets": torch.tensor(offs, dtype=torch.int32).to(self.device),
+            }
+            w = LoRAWeights(in_features=self.in_features[i], slice_offsets=offs, max_rank=max_rank,
+                            ranks_cpu=(0,) * s, scalings_cpu=(0.0,) * s, a_views=((),) * s, b_views=((),) * s,
+                            dtype=dtype, device=self.device)
+            w._tables["ptrs"] = tables
+            self._weights[key] = w
+
+    def weights(self, key) -> LoRAWeights:
+        return self._weights[key]
+
+    def _adapter_rows(self, entries) -> tuple:
+        """(a_ptr, a_stride, b_stride per module; b_ptr per module slice; rank per module) of one slot's weights."""
+        cached = self._rows.get(id(entries))
+        if cached is not None and cached[0] is entries:
+            return cached[1]
+        m = len(self.keys)
+        a_ptr, a_st, b_st, rank = (np.zeros(m, dtype=np.int64) for _ in range(4))
+        b_ptr = np.zeros(self._n_total, dtype=np.int64)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        j0 = 0
+        for i, key in enumerate(self.keys):
+            offs = self.offsets[i]
+            n = len(offs) - 1
+            pair = entries.get(key)
+            if pair is not None:
+                a, b = pair
+                r = a.shape[0] // n
+                if (a.shape != (n * r, self.in_features[i]) or b.shape != (offs[-1], r) or r > self.max_rank
+                        or a.dtype != self.dtype or b.dtype != self.dtype or a.device != self.device
+                        or b.device != self.device or a.stride(1) != 1 or b.stride(1) != 1):
+                    raise ValueError(f"{key}: A {a.dtype} {tuple(a.shape)} / B {tuple(b.shape)} on {a.device} do not "
+                                     f"fit ({n} * rank <= {n * self.max_rank}, {self.in_features[i]}) / ({offs[-1]}, "
+                                     f"rank), {self.dtype} on {self.device}, unit column stride")
+                a_ptr[i], a_st[i], b_st[i], rank[i] = a.data_ptr(), a.stride(0), b.stride(0), r
+                b_ptr[j0:j0 + n] = [b.data_ptr() + offs[j] * b.stride(0) * elem for j in range(n)]
+            j0 += n
+        rows = (a_ptr, a_st, b_st, b_ptr, rank)
+        if len(self._rows) > 8 * self.num_slots:
+            self._rows.clear()
+        self._rows[id(entries)] = (entries, rows)
+        return rows
+
+    def refill(self, slots, scalings) -> None:
+        """Binds slot s to `slots[s]` (its weights mapping, or None for an empty slot) at scaling `scalings[s]`.
+        Raises ValueError for a weight of the wrong shape, dtype or device, or a rank above `max_rank`."""
+        s = self.num_slots
+        if len(slots) != s or len(scalings) != s:
+            raise ValueError(f"{len(slots)} slots and {len(scalings)} scalings for {s} slots")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last refill's copies have read the host tables
+        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        h64.fill(0)
+        h32.fill(0)
+        for slot, entries in enumerate(slots):
+            if entries is None:
+                continue
+            a_ptr, a_st, b_st, b_ptr, rank = self._adapter_rows(entries)
+            ia, ias, ibs, ib, i32 = self._idx[slot]
+            h64[ia], h64[ias], h64[ibs], h64[ib], h32[i32] = a_ptr, a_st, b_st, b_ptr, rank
+        self._hostf.numpy()[:] = [float(x) for x in scalings]
+        for dev, host in ((self._dev64, self._host64), (self._dev32, self._host32), (self._devf, self._hostf)):
+            dev.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self._keep = tuple(slots)  # the weights the tables point into stay alive while bound

@@ -8,7 +8,7 @@ import torch
 
 from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
-from sgl_multilora.triton_kernels.weights import LoRAWeights
+from sgl_multilora.triton_kernels.weights import LoRAWeights, TableSet
 from tests.kernels.oracle import Problem, expected_output, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -76,62 +76,71 @@ def test_cuda_graph_replay_with_a_different_adapter_set():
         torch.testing.assert_close(y.double().cpu(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def _in_kv_buffer(kv: torch.Tensor, tensors: list[torch.Tensor | None], start: int) -> list[torch.Tensor | None]:
-    """Copies `tensors` into consecutive areas of one flat KV-shaped buffer from element `start` on (as the unified
-    pool places an adapter's matrices in its slots) and returns those views."""
-    flat, out = kv.view(-1), []
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        view = flat[start:start + t.numel()].view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        start += t.numel() + 64  # areas need not be adjacent
-    return out
-
-
-def test_cuda_graph_replay_reads_pool_views_through_tables_refilled_in_place():
-    """What `--lora-backend multilora` does with the unified pool: weights are views of the KV buffer, the kernels
-    read them through device tables that keep their addresses; a new binding (other adapters, other places in
-    the buffer, other ranks, an empty slot) refills the tables in place and a graph captured before replays it."""
+def test_cuda_graph_replay_reads_a_table_set_refilled_with_other_adapters():
+    """What `--lora-backend multilora` does with the unified pool: each slot's weights are views of a KV buffer, and
+    the kernels of every module read them through one `TableSet`, whose device tables keep their addresses. A new
+    binding (other adapters at other places in the buffer, other ranks, an empty slot, a module one adapter lacks)
+    refills it, and a graph captured before replays it."""
     dtype, n, slots = torch.bfloat16, 32, 4
-    kv = torch.zeros(4096, 2, 8, 128, dtype=dtype, device="cuda")  # 4096 slots, 2 heads x 128, one layer's K
-    first = _to_cuda(make_problem(num_tokens=n, in_features=1024, slice_widths=[1024, 256, 256],
-                                  ranks=[16, 64, 8, 32], popularity="uniform", dtype=dtype, seed=1))
-    second = _to_cuda(make_problem(num_tokens=n, in_features=1024, slice_widths=[1024, 256, 256],
-                                   ranks=[64, 8, None, 16], popularity="uniform", dtype=dtype, seed=2))
+    kv = torch.zeros(1 << 23, dtype=dtype, device="cuda")  # a flat stand-in for a layer's K rows
+    shapes = {"qkv": (1024, [1024, 256, 256]), "down": (2048, [1024])}
+    problems = {name: [_to_cuda(make_problem(num_tokens=n, in_features=in_f, slice_widths=widths,
+                                             ranks=ranks, popularity="uniform", dtype=dtype, seed=seed))
+                       for seed, ranks in ((1, [16, 64, 8, 32]), (2, [64, 8, None, 16]))]
+                for name, (in_f, widths) in shapes.items()}
+    at = [0]
 
-    def bind(p, start):
-        a = _in_kv_buffer(kv, p.lora_a, start)
-        b = _in_kv_buffer(kv, p.lora_b, start + 3_000_000)
-        return LoRAWeights.from_list(a, b, p.scalings, p.slice_offsets)
+    def place(t):
+        view = kv[at[0]:at[0] + t.numel()].view(t.shape)
+        view.copy_(t)
+        at[0] += t.numel() + 64
+        return view
 
-    weights = bind(first, 0)
-    tables = weights.tables()  # the fixed tables the graph reads
+    def binding(k: int):
+        """Slot s -> {module: (A, B)} of problem k, copied into the buffer; module "down" left out of slot 3."""
+        out = [{} for _ in range(slots)]
+        for name, ps in problems.items():
+            p = ps[k]
+            for s in range(slots):
+                if p.lora_a[s] is not None and not (name == "down" and s == 3):
+                    out[s][name] = (place(p.lora_a[s]), place(p.lora_b[s]))
+        return out
+
+    ts = TableSet({name: (in_f, problems[name][0].slice_offsets) for name, (in_f, _) in shapes.items()}, slots, 64,
+                  dtype, "cuda")
     meta = SegmentMeta.make(n, slots, "cuda")
-    x, y, t = first.x.clone(), first.y0.clone(), shrink_buffer(n, weights, torch.device("cuda"))
     token_slot = torch.tensor([0, 1, 2, 3] * (n // 4), dtype=torch.int32, device="cuda")
     meta.prepare(token_slot)
-    first.token_slot = token_slot.clone()
+    ys = {name: problems[name][0].y0.clone() for name in shapes}
+    ts_bufs = {name: shrink_buffer(n, ts.weights(name), torch.device("cuda")) for name in shapes}
 
     def step():
-        y.copy_(first.y0)
-        lora_forward(x, y, meta, weights, impl="triton", t=t)
+        for name in shapes:
+            ys[name].copy_(problems[name][0].y0)
+            lora_forward(problems[name][0].x, ys[name], meta, ts.weights(name), impl="triton", t=ts_bufs[name])
 
+    def check(k: int, bound, scalings):
+        for name in shapes:
+            p = problems[name][k]
+            expect = Problem(x=problems[name][0].x.cpu(), y0=problems[name][0].y0.cpu(), token_slot=token_slot.cpu(),
+                             lora_a=[None if name not in b else b[name][0].cpu() for b in bound],
+                             lora_b=[None if name not in b else b[name][1].cpu() for b in bound],
+                             scalings=scalings, slice_offsets=p.slice_offsets)
+            torch.testing.assert_close(ys[name].double().cpu(), expected_output(expect), atol=TOL[dtype],
+                                       rtol=TOL[dtype], msg=name)
+
+    first = binding(0)
+    ts.refill(first, [1.0, 0.5, 2.0, 1.5])
     step()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y.double().cpu(), expected_output(_cpu(first)), atol=TOL[dtype], rtol=TOL[dtype])
+    check(0, first, [1.0, 0.5, 2.0, 1.5])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    rebound = bind(second, 1_000_000)
-    assert rebound.max_rank == weights.max_rank
-    for name, fresh in rebound.tables().items():
-        tables[name].copy_(fresh)
+    second = binding(1)
+    ts.refill(second, [0.25, 1.0, 0.0, 3.0])
     token_slot.copy_(torch.tensor([0, 2, 1, 3, -1, 0, 0, 3] * (n // 8), dtype=torch.int32))
     meta.prepare(token_slot)
     graph.replay()
     torch.cuda.synchronize()
-    second.token_slot, second.x, second.y0 = token_slot.clone(), first.x, first.y0
-    torch.testing.assert_close(y.double().cpu(), expected_output(_cpu(second)), atol=TOL[dtype], rtol=TOL[dtype])
+    check(1, second, [0.25, 1.0, 0.0, 3.0])

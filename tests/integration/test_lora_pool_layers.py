@@ -231,8 +231,8 @@ def test_decode_graph_tables_are_refilled_in_place(served, peft_adapters, monkey
         padded = names + [None] * (4 - len(names))
         tokens = _batch(manager, memory, registry, padded, [1] * 4, mode="decode")
         assert backend.batch_info.use_cuda_graph
-        ptrs = {k: t["a_ptrs"].data_ptr() for k, t in backend._pool_tables.items()}
-        assert len(ptrs) == 4 * LAYERS  # every module reads device tables
+        ptrs = {k: w.tables()["a_ptrs"].data_ptr() for k, w in backend._pool_weights.items()}
+        assert len(ptrs) == 4 * LAYERS and backend._table_set is not None  # every module reads the table set
         assert seen is None or ptrs == seen
         seen = ptrs
         _check_layers(manager, peft_adapters, tokens)
