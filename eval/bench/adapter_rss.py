@@ -11,7 +11,8 @@ holds, so every slot has been written): a buffer's pages count in RSS once writt
 adapters into pool pages, so every arm's pool is written whole before anything is read (SGLang zero-fills its CPU
 pool, so on this path they are resident from the start anyway: RSS after the fill is recorded too). Then one base
 request and one request per adapter run (so each adapter has been resident), and the process tree's RSS is read
-when idle. The report gives each arm's RSS minus `none`'s next to the adapters' weight
+when idle, in all and split by mapping (the adapters' own files, mapped; anonymous memory; other files). The
+report gives each arm's RSS minus `none`'s next to the adapters' weight
 bytes (fp32, what one host copy takes): the issue's rule is "memory outside the pool grows by at most one host copy
 per adapter loaded".
 
@@ -39,6 +40,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 FILL_PROMPT_TOKENS = 1000
+
+
+def rss_by_kind(pid: int, adapters_dir: Path) -> dict[str, int]:
+    """Resident bytes of a process tree by kind of mapping: `adapter_files` (pages of the adapters' own files, mapped:
+    file-backed, dropped by the OS under pressure and read back), `anonymous` (heap and anonymous maps: what the
+    process allocated) and `other` (the model's and libraries' files)."""
+    import psutil
+
+    root = str(adapters_dir.resolve())
+    out = {"adapter_files": 0, "anonymous": 0, "other": 0}
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for proc in procs:
+        try:
+            maps = proc.memory_maps(grouped=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for m in maps:
+            path = m.path or ""
+            kind = ("adapter_files" if path.startswith(root) else
+                    "anonymous" if not path.startswith("/") else "other")
+            out[kind] += m.rss
+    return out
 
 
 def fill_pool(url: str, pool_tokens: int) -> None:
@@ -98,7 +121,8 @@ def main(argv=None) -> None:
             exercise(server.url, [] if name == "none" else [a.name for a in workload.adapters])
             time.sleep(2.0)
             total, by_process = process_tree_rss(server.process.pid)
-            rss[name] = {"total": total, "by_process": by_process, "after_fill": after_fill}
+            rss[name] = {"total": total, "by_process": by_process, "after_fill": after_fill,
+                         "by_kind": rss_by_kind(server.process.pid, adapters_dir)}
             print(f"{name}: RSS {total / 2**20:.0f} MiB", flush=True)
         finally:
             server.stop()
@@ -119,12 +143,16 @@ def main(argv=None) -> None:
              f"MiB of fp32 weights: one host copy); every arm {args.pool_tokens} pool slots; RSS of the server's "
              "process tree when idle, after the pool was filled once with base prompts (every slot written, so "
              "pool pages count in every arm alike) and one request per adapter. One run per arm (RSS, not timing).",
-             "", "| arm | RSS after the fill MiB | RSS MiB | minus `none` MiB | / one host copy of the adapters |",
-             "|---|---:|---:|---:|---:|"]
+             "", "| arm | RSS after the fill MiB | RSS MiB | minus `none` MiB | / one host copy | adapter files "
+             "mapped MiB | anonymous MiB | anonymous minus `none` MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in arms:
         delta = rss[name]["total"] - rss["none"]["total"]
+        kind, anon_none = rss[name]["by_kind"], rss["none"]["by_kind"]["anonymous"]
         lines.append(f"| {name} | {rss[name]['after_fill'] / mib:.0f} | {rss[name]['total'] / mib:.0f} | "
-                     f"{delta / mib:.0f} | {delta / weight_bytes:.2f} |")
+                     f"{delta / mib:.0f} | {delta / weight_bytes:.2f} | {kind['adapter_files'] / mib:.0f} | "
+                     f"{kind['anonymous'] / mib:.0f} | {(kind['anonymous'] - anon_none) / mib:.0f} |")
+    lines += ["", "Adapter files mapped: the host copy is the adapter's own file, mapped (file-backed pages, which the "
+              "OS can drop and read back), not an allocation; anonymous: what the processes allocated."]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.with_suffix(".md").write_text(text)
