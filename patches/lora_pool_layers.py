@@ -98,8 +98,9 @@ def host_copy(manager, lora_id: str, spec: AdapterSpec) -> LoadedAdapter:
                 continue
             if set(pair) != {"A", "B"}:
                 raise RuntimeError(f"LoRA adapter '{spec.name}': layer {layer_id} {target} has only {sorted(pair)}")
-            a = module.slice_lora_a_weights(pair["A"]).to("cpu", pool.dtype).contiguous()
-            b = module.slice_lora_b_weights(pair["B"]).to("cpu", pool.dtype).contiguous()
+            # A copy of its own: SGLang's tensors may map the adapter file, which may be rewritten while served.
+            a = module.slice_lora_a_weights(pair["A"]).to("cpu", pool.dtype, copy=True).contiguous()
+            b = module.slice_lora_b_weights(pair["B"]).to("cpu", pool.dtype, copy=True).contiguous()
             weights[(layer_id, target)] = (a, b)
     if not weights:
         raise RuntimeError(f"LoRA adapter '{spec.name}' has no weights for the modules SGLang's layers wrap")

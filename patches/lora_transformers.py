@@ -173,6 +173,7 @@ def init_lora_modules(original, self):
             state.load(lora_ref)
         except AdapterError as e:
             raise RuntimeError(str(e)) from None
+        process_state().adapters.add(lora_id, process_state().adapters.loaded(lora_id).spec)  # the bytes loaded
         host_memory.drop_sglang_weights(self, lora_id)
     host_memory.release()
 
@@ -198,6 +199,7 @@ def load_lora_adapter(original, self, lora_ref):
     if state is not None:  # after start-up: validate against the model before SGLang touches anything
         try:
             state.load(lora_ref)
+            spec = process_state().adapters.loaded(lora_ref.lora_id).spec  # the identity of the bytes loaded
             if memory is not None:
                 memory.check_fits(process_state().adapters.loaded(lora_ref.lora_id))
         except (AdapterError, ExceedsPoolError) as e:

@@ -248,11 +248,15 @@ def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
     return sorted(modules)
 
 
-def content_identity(path: str | os.PathLike, config: dict) -> str:
-    """SHA-256 over the canonical config JSON and the weight file's bytes (hex)."""
+def content_identity(path: str | os.PathLike, config: dict, data: bytes | None = None) -> str:
+    """SHA-256 over the canonical config JSON and the weight file's bytes (hex); over `data` when given (the
+    file's bytes as already read)."""
     h = hashlib.sha256()
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0")
+    if data is not None:
+        h.update(data)
+        return h.hexdigest()
     with open(weights_file(path), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
@@ -298,9 +302,14 @@ def check_against_model(spec: AdapterSpec, shape: ModelShape) -> None:
 
 def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = None,
                  max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> LoadedAdapter:
-    """Reads, validates and loads an adapter's weights (fp32, CPU). Raises AdapterError on any mismatch."""
+    """Reads, validates and loads an adapter's weights (fp32, CPU). Raises AdapterError on any mismatch.
+
+    A safetensors file is read once into memory and the weights are made from those bytes, which must hash to the
+    spec's identity: the weights served are the content the identity names even if the file changes meanwhile, and
+    no tensor maps the file (a mapped file truncated or rewritten in place under a running server kills it with
+    SIGBUS on the next read)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_bytes
 
     spec = read_spec(path, name, max_weights_bytes)
     check_against_model(spec, shape)
@@ -308,8 +317,12 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
     if file.name == PICKLED_WEIGHTS_FILE:
         tensors = _load_pickled(file, spec.name)
     else:
+        data = file.read_bytes()
+        if content_identity(path, read_config(path, spec.name, max_weights_bytes), data) != spec.identity:
+            raise _fail(spec.name, f"{WEIGHTS_FILE} changed while it was being loaded; load the adapter again")
         try:
-            tensors = load_file(str(file), device="cpu")
+            tensors = load_bytes(data)  # tensors of their own, not views of `data`
+            del data
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # malformed header, truncated data, dtype
             raise _fail(spec.name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 

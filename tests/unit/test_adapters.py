@@ -48,6 +48,41 @@ def test_load_reads_every_layer_and_module(tmp_path):
     assert adapter.spec.scaling == 2.0 and adapter.spec.name == "a" and not adapter.spec.is_alora
 
 
+def test_loaded_weights_survive_the_file_being_rewritten_in_place(tmp_path):
+    """A training job saving over a served adapter's file truncates it first: weights that mapped the file would
+    kill the process with SIGBUS on their next read (a child process here, so a regression cannot take pytest
+    down). The loaded weights are the bytes read at load time."""
+    import subprocess
+    import sys
+
+    path = write_adapter(tmp_path / "a")
+    code = (
+        "import sys, torch\n"
+        "from sgl_multilora.adapters import load_adapter, ModelShape, ModuleDims\n"
+        "shape = ModelShape(2, {'q_proj': ModuleDims(8, 8), 'v_proj': ModuleDims(8, 4)}, max_rank=4)\n"
+        f"adapter = load_adapter({str(path)!r}, shape)\n"
+        "before = sum(float(a.sum()) + float(b.sum()) for a, b in adapter.weights.values())\n"
+        f"open({str(path / 'adapter_model.safetensors')!r}, 'wb').close()\n"
+        "after = sum(float(a.sum()) + float(b.sum()) for a, b in adapter.weights.values())\n"
+        "print(before == after)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
+    assert done.stdout.strip() == "True"
+
+
+def test_a_file_changed_between_hash_and_read_is_refused(tmp_path, monkeypatch):
+    """The weights served must be the content the identity names: bytes that differ from the hashed ones are
+    refused, not served under the old identity."""
+    from pathlib import Path
+
+    path = write_adapter(tmp_path / "a")
+    other = (write_adapter(tmp_path / "b", seed=1) / "adapter_model.safetensors").read_bytes()
+    monkeypatch.setattr(Path, "read_bytes", lambda self: other)  # the file as rewritten after it was hashed
+    with pytest.raises(AdapterError, match="changed while it was being loaded"):
+        load_adapter(path, SHAPE)
+
+
 def test_rslora_scaling(tmp_path):
     spec = read_spec(write_adapter(tmp_path / "a", r=4, use_rslora=True))
     assert spec.scaling == pytest.approx(8 / 2)
