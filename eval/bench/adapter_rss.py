@@ -151,8 +151,9 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {rss[name]['after_fill'] / mib:.0f} | {rss[name]['total'] / mib:.0f} | "
                      f"{delta / mib:.0f} | {delta / weight_bytes:.2f} | {kind['adapter_files'] / mib:.0f} | "
                      f"{kind['anonymous'] / mib:.0f} | {(kind['anonymous'] - anon_none) / mib:.0f} |")
-    lines += ["", "Adapter files mapped: the host copy is the adapter's own file, mapped (file-backed pages, which the "
-              "OS can drop and read back), not an allocation; anonymous: what the processes allocated."]
+    lines += ["", "Adapter files mapped: pages of the adapters' own files mapped into the processes (file-backed); "
+              "anonymous: what the processes allocated. Since 2026-11-26 13:12 UTC the weights are read into memory "
+              "(no tensor maps a file that may be rewritten under the server), so the host copy is anonymous."]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.with_suffix(".md").write_text(text)
