@@ -186,6 +186,10 @@ class MultiLoRABackend(BaseLoRABackend):
     def use_pool(self, modules: list[PoolModule]) -> None:
         """SGLang's layers hold placeholders for `modules` (each by the data_ptr of its A and of its B): their
         weights come from the slots `bind_pool` names."""
+        if self.impl == "flashinfer":
+            raise RuntimeError("--multilora-lora-ops flashinfer reads SGLang's stacked slot buffers, which the unified "
+                               "pool replaces; use --multilora-lora-ops triton (or auto) with the pool, or "
+                               "--multilora-memory separate")
         self.pool_modules = {}
         for m in modules:
             self.pool_modules[m.a_ptr] = self.pool_modules[m.b_ptr] = m

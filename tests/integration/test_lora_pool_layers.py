@@ -268,3 +268,18 @@ def test_adapter_larger_than_the_pool_is_refused_and_nothing_changes(served, pef
     _check_layers(manager, peft_adapters, _batch(manager, served[1], registry, ["full-again", "attn"], [2, 1]))
     assert manager.unload_lora_adapter(ok).success
     assert registry.loaded(ok.lora_id) is None and ok.lora_id not in manager.loras
+
+
+def test_flashinfer_ops_are_refused_with_the_pool(sglang_tp1):  # noqa: F811
+    """FlashInfer's segment GEMM needs stacked buffers: with the pool on, the server refuses it at start-up."""
+    from sgl_multilora.patches import lora_backend
+    from sgl_multilora.patches.state import process_state
+
+    saved = process_state().lora_backend
+    try:
+        backend = lora_backend.MultiLoRABackend(SLOTS, torch.device("cpu"))
+        backend.impl = "flashinfer"
+        with pytest.raises(RuntimeError, match="--multilora-memory separate"):
+            backend.use_pool([])
+    finally:
+        process_state().lora_backend = saved
