@@ -28,6 +28,42 @@ def _key(r: dict) -> tuple:
     return s["phase"], s["module"], s["rank"], s["num_tokens"], s["num_adapters"]
 
 
+def _ratios(results) -> list[float]:
+    return [r["latency_us"]["multilora_triton"] / r["latency_us"]["sglang_triton"] for r in results
+            if "sglang_triton" in r["latency_us"]]
+
+
+def _headline_rows(rows: dict) -> list[str]:
+    """Per (phase, module): ours / SGLang triton and LoRA op / base GEMM, as table rows."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for k, r in rows.items():
+        groups[(k[0], k[1])].append(r)
+    return [f"| {phase} | {module} | {_spread(_ratios(rs))} | "
+            f"{statistics.median(r['lora_over_base_gemm'] for r in rs):.2f} | {len(rs)} |"
+            for (phase, module), rs in sorted(groups.items())]
+
+
+def kernel_other_gpu_report(record: dict, reference: dict) -> str:
+    """The same benchmark on another GPU (one record, the configs as committed), next to the main record."""
+    rows = {_key(r): r for r in record["results"] if "setup" in r}
+    ref = {_key(r): r for r in reference["results"] if "setup" in r}
+    ratio_all, ref_all = _ratios(rows.values()), _ratios(ref.values())
+    lines = [
+        f"# Segmented LoRA kernels on another GPU: {record['device']}", "",
+        f"{record['date']}; torch {record['versions']['torch']}, triton {record['versions']['triton']}. Command: "
+        "`bash scripts/gpu_checks.sh OUT 150` (`python3 -m eval.bench.lora_kernels --max-seconds 150`), the launch "
+        "configs as committed (tuned on the H200 of `lora_kernels.md`); method as there: bf16, Llama-3-8B shapes, "
+        "CUDA-graph replay, median of 50, every op checked against the torch reference first.", "",
+        "| phase | module | ours / SGLang triton, median (min-max) | LoRA op / base GEMM, median | shapes |",
+        "|---|---|---|---|---|", *_headline_rows(rows), "",
+        f"All {len(ratio_all)} shapes: ours / SGLang {_spread(ratio_all)}, ours faster on "
+        f"{sum(x < 1 for x in ratio_all)}; on the {reference['device']} ({reference['date'][:10]}): "
+        f"{_spread(ref_all)} over {len(ref_all)} shapes. SGLang's csgmv kernels: "
+        f"{record.get('sglang_backends_not_timed', {}).get('csgmv', 'timed')}.", "",
+    ]
+    return "\n".join(lines)
+
+
 def kernel_report(records: list[dict]) -> str:
     timed = [r for r in records if r.get("gpu_figures") and any("setup" in x for x in r["results"])]
     final, first = timed[-1], timed[0]
@@ -44,16 +80,8 @@ def kernel_report(records: list[dict]) -> str:
         "| phase | module | ours / SGLang triton, median (min-max) | LoRA op / base GEMM, median | shapes |",
         "|---|---|---|---|---|",
     ]
-    groups: dict[tuple, list] = defaultdict(list)
-    for k, r in rows.items():
-        groups[(k[0], k[1])].append(r)
-    for (phase, module), rs in sorted(groups.items()):
-        ratio = [r["latency_us"]["multilora_triton"] / r["latency_us"]["sglang_triton"] for r in rs
-                 if "sglang_triton" in r["latency_us"]]
-        lora_base = [r["lora_over_base_gemm"] for r in rs]
-        lines.append(f"| {phase} | {module} | {_spread(ratio)} | {statistics.median(lora_base):.2f} | {len(rs)} |")
-    ratio_all = [r["latency_us"]["multilora_triton"] / r["latency_us"]["sglang_triton"] for r in rows.values()
-                 if "sglang_triton" in r["latency_us"]]
+    lines += _headline_rows(rows)
+    ratio_all = _ratios(rows.values())
     faster = sum(x < 1 for x in ratio_all)
     tuned = [rows[k]["latency_us"]["multilora_triton"] / before[k]["latency_us"]["multilora_triton"]
              for k in rows if k in before]
@@ -130,7 +158,8 @@ def host_copy_report(records: list[dict]) -> str:
     r = records[-1]
     lines = [
         "# The host tier's copies on a GPU", "",
-        f"Device: {r['device']}; {r['date']}; torch {r['versions']['torch']}. Command: `{r.get('command', '')}`. "
+        f"Device: {r['device']}; {r['date']}; torch {r['versions']['torch']}. Command: "
+        f"`{r.get('command', 'python3 -m eval.bench.host_copy_gpu (scripts/gpu_checks.sh)')}`. "
         f"KV of Llama-3-8B shape ({r['setup']['bytes_per_token']} bytes per token), copied by the server's "
         "`HostKVStore` (pinned slot-major host pool, side-stream copies) vs the prefill of the same tokens through a "
         "Llama-3-8B-shaped model (random weights, bf16, SDPA): what a server without a host tier recomputes. "
@@ -168,7 +197,8 @@ def pool_views_report(records: list[dict]) -> str:
         "Triton shrink + expand on the same adapters and batch, weights in SGLang's stacked slot buffers (what "
         "`--lora-backend multilora` reads with the pool off) vs views of a KV buffer's rows (each adapter copied "
         "into a slot run of its own, Llama-3-8B's 1,024-element rows, as `LiveMemory` places it: what it reads "
-        "with the pool on, through one `TableSet` of device tables). bf16, Llama-3-8B shapes, CUDA-graph replay, arms interleaved, median of "
+        "with the pool on, through one `TableSet` of device tables). bf16, Llama-3-8B shapes, CUDA-graph replay, "
+        "arms interleaved, median of "
         f"{r['repeats']} medians of 50 replays. Outputs agree up to the order of split-K's atomic adds.", "",
         f"**Pool / stacked over {s['shapes']} shapes: median {s['median_pool_over_stacked']:.3f}x "
         f"(min {s['min']:.3f}, max {s['max']:.3f}).**", "",
@@ -179,10 +209,14 @@ def pool_views_report(records: list[dict]) -> str:
         lines.append(f"| {row['module']} | {row['tokens']} | {row['adapters']} | {row['rank']} | "
                      f"{row['stacked_us']:.1f} | {row['pool_us']:.1f} | {row['pool_over_stacked']:.3f} |")
     for earlier in records[:-1]:
+        how = ("through a `TableSet`, as above" if "rebinding" in earlier else
+               "each module's tables built from its own views (before `TableSet`)")
         lines += ["", f"Earlier record ({earlier['date']}, {earlier['device']}): pool / stacked median "
                   f"{earlier['summary']['median_pool_over_stacked']:.3f}x ({earlier['summary']['min']:.3f}-"
-                  f"{earlier['summary']['max']:.3f}), each module's tables built from its own views (before "
-                  "`TableSet`)."]
+                  f"{earlier['summary']['max']:.3f}), {how}" + (
+                      f"; rebinding {earlier['rebinding']['rebinding_ms_median'] * 1e3:.0f} us, first binding "
+                      f"{earlier['rebinding']['first_binding_ms_median']:.2f} ms." if "rebinding" in earlier
+                      else ".")]
     rb = r.get("rebinding")
     if rb:
         lines += ["", f"Rebinding (the batch slots bound to other adapters: `TableSet.refill` of all {rb['modules']} "
@@ -200,6 +234,11 @@ def main() -> None:
     (RESULTS / "lora_kernels.md").write_text(kernel_report(_records(RESULTS / "lora_kernels.jsonl")))
     (RESULTS / "host_copy_gpu.md").write_text(host_copy_report(_records(RESULTS / "host_copy_gpu.jsonl")))
     (RESULTS / "pool_views_gpu.md").write_text(pool_views_report(_records(RESULTS / "pool_views_gpu.jsonl")))
+    kernels = [r for r in _records(RESULTS / "lora_kernels.jsonl")
+               if r.get("gpu_figures") and any("setup" in x for x in r["results"])]
+    (RESULTS / "lora_kernels_h100.md").write_text(
+        kernel_other_gpu_report(_records(RESULTS / "lora_kernels_h100.jsonl")[-1], kernels[-1]))
+    (RESULTS / "host_copy_gpu_h100.md").write_text(host_copy_report(_records(RESULTS / "host_copy_gpu_h100.jsonl")))
     print(f"wrote {RESULTS / 'lora_kernels.md'}, {RESULTS / 'lora_kernels.png'}, {RESULTS / 'host_copy_gpu.md'}, "
           f"{RESULTS / 'pool_views_gpu.md'}")
 
