@@ -264,8 +264,9 @@ def content_identity(path: str | os.PathLike, config: dict, data: bytes | None =
 
 
 def read_spec(path: str | os.PathLike, name: str | None = None,
-              max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> AdapterSpec:
-    """Config, identity and scaling of the adapter at `path`. Reads the weight file once (for the hash)."""
+              max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES, data: bytes | None = None) -> AdapterSpec:
+    """Config, identity and scaling of the adapter at `path`. Reads the weight file once (for the hash), or hashes
+    `data`, its bytes as already read."""
     path = Path(path)
     name = name or path.name
     config = read_config(path, name, max_weights_bytes)
@@ -275,7 +276,7 @@ def read_spec(path: str | os.PathLike, name: str | None = None,
     return AdapterSpec(
         name=name,
         path=str(path),
-        identity=content_identity(path, config),
+        identity=content_identity(path, config, data),
         rank=rank,
         alpha=alpha,
         scaling=scaling,
@@ -304,22 +305,28 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
                  max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES) -> LoadedAdapter:
     """Reads, validates and loads an adapter's weights (fp32, CPU). Raises AdapterError on any mismatch.
 
-    A safetensors file is read once into memory and the weights are made from those bytes, which must hash to the
-    spec's identity: the weights served are the content the identity names even if the file changes meanwhile, and
-    no tensor maps the file (a mapped file truncated or rewritten in place under a running server kills it with
-    SIGBUS on the next read)."""
+    A safetensors file is read once into memory; its identity is the hash of those bytes and the weights are made
+    from them, so what is served is what the identity names even if the file changes meanwhile, and no tensor maps
+    the file (a mapped file truncated or rewritten in place under a running server kills it with SIGBUS on the next
+    read)."""
     from safetensors import SafetensorError
     from safetensors.torch import load as load_bytes
 
-    spec = read_spec(path, name, max_weights_bytes)
-    check_against_model(spec, shape)
+    name = name or Path(path).name
+    read_config(path, name, max_weights_bytes)  # the checks, the size limit among them, before anything is read
     file = weights_file(path)
-    if file.name == PICKLED_WEIGHTS_FILE:
+    data = None
+    if file.name != PICKLED_WEIGHTS_FILE:
+        with open(file, "rb") as f:
+            data = f.read(max_weights_bytes + 1)
+        if len(data) > max_weights_bytes:  # grown since its size was checked
+            raise _fail(name, f"{file.name} is above the {max_weights_bytes / 2**20:.0f} MiB limit per adapter "
+                              "(--multilora-max-adapter-mb)")
+    spec = read_spec(path, name, max_weights_bytes, data)
+    check_against_model(spec, shape)
+    if data is None:
         tensors = _load_pickled(file, spec.name)
     else:
-        data = file.read_bytes()
-        if content_identity(path, read_config(path, spec.name, max_weights_bytes), data) != spec.identity:
-            raise _fail(spec.name, f"{WEIGHTS_FILE} changed while it was being loaded; load the adapter again")
         try:
             tensors = load_bytes(data)  # tensors of their own, not views of `data`
             del data

@@ -71,16 +71,37 @@ def test_loaded_weights_survive_the_file_being_rewritten_in_place(tmp_path):
     assert done.stdout.strip() == "True"
 
 
-def test_a_file_changed_between_hash_and_read_is_refused(tmp_path, monkeypatch):
-    """The weights served must be the content the identity names: bytes that differ from the hashed ones are
-    refused, not served under the old identity."""
-    from pathlib import Path
+def test_the_identity_names_the_bytes_served_when_the_file_changes_during_the_load(tmp_path, monkeypatch):
+    """The file is rewritten after its config was read and before its weights are: the adapter loaded carries the
+    identity of the bytes it serves (the new ones), never the old identity with the new weights."""
+    import builtins
+
+    path, other = write_adapter(tmp_path / "a"), write_adapter(tmp_path / "b", seed=1)
+    before = read_spec(path).identity
+    real_open = builtins.open
+
+    def open_rewritten(file, *args, **kwargs):  # the weight file's bytes as rewritten meanwhile
+        if str(file) == str(path / "adapter_model.safetensors"):
+            file = other / "adapter_model.safetensors"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_rewritten)
+    adapter = load_adapter(path, SHAPE)
+    monkeypatch.undo()
+    served = load_adapter(other, SHAPE)
+    assert adapter.spec.identity != before
+    assert adapter.spec.identity == read_spec(path, data=(other / "adapter_model.safetensors").read_bytes()).identity
+    assert all(torch.equal(adapter.weights[k][0], served.weights[k][0]) for k in served.weights)
+
+
+def test_a_file_grown_past_the_limit_after_its_check_is_refused(tmp_path, monkeypatch):
+    from sgl_multilora import adapters
 
     path = write_adapter(tmp_path / "a")
-    other = (write_adapter(tmp_path / "b", seed=1) / "adapter_model.safetensors").read_bytes()
-    monkeypatch.setattr(Path, "read_bytes", lambda self: other)  # the file as rewritten after it was hashed
-    with pytest.raises(AdapterError, match="changed while it was being loaded"):
-        load_adapter(path, SHAPE)
+    size = (path / "adapter_model.safetensors").stat().st_size
+    monkeypatch.setattr(adapters, "_check_size", lambda *args: None)  # the size checked before it grew
+    with pytest.raises(AdapterError, match="above the"):
+        load_adapter(path, SHAPE, max_weights_bytes=size - 1)
 
 
 def test_rslora_scaling(tmp_path):
