@@ -209,7 +209,7 @@ class MultiLoRABackend(BaseLoRABackend):
         key = (tuple(0 if v is None else id(v) for v in slots), scalings, self.impl)
         if key == self._pool_key:
             return
-        self._pool_key, self._pool_slots = key, tuple(slots)
+        self._pool_key = key  # the bound views stay alive through the weights (keepalive / TableSet)
         modules = set(self.pool_modules.values())
         if self.impl == "triton":
             if self._table_set is None:
