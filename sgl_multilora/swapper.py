@@ -137,6 +137,12 @@ class Swapper:
                         heapq.heappush(heap, (int(name in wanted), score(self.records[name], now), 1, name, name))
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
+    def reachable_slots(self) -> int:
+        """Free slots `make_room` could reach by evicting every candidate: free, unlocked KV and reclaimable
+        adapters (with the dependency rule an adapter goes after its KV, which is unlocked when it is
+        reclaimable). Pure query."""
+        return self.pool.num_free + self.tree.evictable_len() + self.reclaimable_adapter_slots()
+
     def reclaimable_adapter_slots(self) -> int:
         """Slots of the adapters `make_room` could free once their unlocked KV is gone: resident, used by no
         running request and (with the dependency rule) no lock on their node in any namespace. With the tree's
@@ -168,16 +174,20 @@ class Swapper:
 
     def load(self, adapter_id: str) -> bool:
         """On demand: makes room (never evicting this adapter), reserves its slots and starts the copy. True
-        once it is loading or resident; False ("not now") when no room can be made. Raises ExceedsPoolError
-        (naming both sizes) for an adapter larger than the pool, KeyError for an unknown one."""
+        once it is loading or resident; False ("not now") when no room can be made, and then nothing is evicted
+        (a request whose adapter cannot fit must not empty everyone's cache, pass after pass). Raises
+        ExceedsPoolError (naming both sizes) for an adapter larger than the pool, KeyError for an unknown one."""
         e = self.residency.entry(adapter_id)
         if e.state is not AdapterState.ABSENT:
             return True
         if e.num_slots > self.pool.num_slots:
             raise ExceedsPoolError(f"adapter {adapter_id!r}", e.num_slots, self.pool.num_slots,
                                    self.pool.slot_bytes)
-        if not self.pool.can_fit(e.num_slots) and not self.make_room(e.num_slots, protect=adapter_id):
-            return False
+        if not self.pool.can_fit(e.num_slots):
+            if self.reachable_slots() < e.num_slots:
+                return False  # evicting every candidate would not do: evict none (the cache stays for others)
+            if not self.make_room(e.num_slots, protect=adapter_id):
+                return False
         if not self._start(adapter_id):
             # The loader cannot use the free runs (too short for a weight matrix): free one run that holds the
             # whole adapter, evicting on in ascending score, and try once more.

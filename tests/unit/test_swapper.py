@@ -414,3 +414,27 @@ def test_reclaimable_adapter_slots_are_exactly_what_evicting_everything_frees():
         assert before - w.kinds()["adapter"] == counted, name
         assert {a for a in SIZES if not w.residency.is_resident(a)} == expect, name
         w.check()
+
+
+def test_a_load_no_eviction_can_satisfy_evicts_nothing():
+    """A request whose adapter cannot fit even after evicting every candidate (running adapters and locked KV
+    hold the rest) is told "not now" with the cache intact: evicting first would empty every other adapter's
+    and request's cache on each admission pass while it waits, and bring it no closer."""
+    w = World("lru")
+    w.load("B", "X")
+    w.serve(1.0, None, [5, 6])  # cached base KV, unlocked
+    w.serve(2.0, "B", [7, 8])
+    w.residency.acquire("X")  # a running request on X
+    w.tree.lock(w.tree.match(w.key("B", [7, 8])).last_node)  # and one whose prefix below B is locked
+    running = w.pool.alloc("kv_running", w.pool.num_free).ids()  # running KV takes the rest
+    reachable = w.swapper.reachable_slots()
+    assert reachable == 2 < w.residency.entry("A").num_slots  # only the base KV could go
+    before, counters = w.kinds(), dict(w.swapper.stats())
+    assert not w.swapper.load("A")
+    assert w.kinds() == before and w.swapper.stats() == counters and w.log == []
+    assert w.tree.total_len() == 4 and w.residency.is_resident("B") and w.residency.is_resident("X")
+    w.check()
+    w.pool.release("kv_running", running[:1])  # one more slot of room: now A fits after evicting what can go
+    assert w.swapper.reachable_slots() == w.residency.entry("A").num_slots
+    base_kv = w.tree.match(w.key(None, [5, 6])).kv_values
+    assert w.swapper.load("A") and w.log == [base_kv]  # the base KV went; B and X, still held, stayed
