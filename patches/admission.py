@@ -3,10 +3,10 @@ the multi-queue scheduler (`live_scheduler.LiveScheduler`): each hook translates
 process's owners (`state.py`), which exist only when their flags are on.
 
 Per admission pass (`Scheduler.get_new_batch_prefill`): before it, the memory pins the adapters of running
-requests and runs the idle swapper, and the multi-queue scheduler plans which waiting requests the pass may take;
-during it, a request outside the plan or whose adapter is not resident is skipped (`can_schedule_lora_req`,
-`PrefillAdder.add_one_req`); after it, the memory re-reads the running adapters and the scheduler re-queues what
-SGLang did not admit. Per step (`process_batch_result`): step statistics, finished requests, test-mode invariants.
+requests and runs the idle swapper, the multi-queue scheduler retracts what the bypass rule squashes and plans which
+waiting requests the pass may take; during it, a request outside the plan or whose adapter is not resident is
+skipped (`can_schedule_lora_req`, `PrefillAdder.add_one_req`); after it, the memory re-reads the running adapters
+and the scheduler re-queues what SGLang did not admit. Per step (`process_batch_result`): step statistics, finished requests, test-mode invariants.
 """
 
 from __future__ import annotations
@@ -25,16 +25,21 @@ def _scheduler_owner(scheduler):
     return state.scheduler
 
 
+def _running(scheduler, running_batch) -> list:
+    reqs = [r for r in running_batch.reqs if not r.finished()]
+    return reqs + ([scheduler.chunked_req] if scheduler.chunked_req is not None else [])
+
+
 def get_new_batch_prefill(original, self, running_batch):
     mem, sched = process_state().memory, _scheduler_owner(self)
     if mem is None and sched is None:
         return original(self, running_batch)
     if mem is not None:
-        reqs = [r for r in running_batch.reqs if not r.finished()]
-        if self.chunked_req is not None:
-            reqs.append(self.chunked_req)
-        mem.before_prefill_pass(reqs, {r.rid for r in self.waiting_queue})
+        mem.before_prefill_pass(_running(self, running_batch), {r.rid for r in self.waiting_queue})
         mem.set_wanted(self.waiting_queue)
+        if sched is not None and sched.squash(self, running_batch):  # the bypass rule's retractions
+            mem.set_running(_running(self, running_batch))
+            mem.set_wanted(self.waiting_queue)
     if sched is not None:
         sched.before_pass(self)
     plan = None
@@ -46,8 +51,7 @@ def get_new_batch_prefill(original, self, running_batch):
             sched.after_pass({r.rid for r in taken})
     if mem is not None:
         new = plan.batch_to_run.reqs if plan.batch_to_run is not None else []
-        mem.set_running([r for r in plan.running_batch.reqs if not r.finished()] + list(new)
-                        + ([self.chunked_req] if self.chunked_req is not None else []))
+        mem.set_running(_running(self, plan.running_batch) + list(new))
     return plan
 
 
@@ -113,7 +117,9 @@ def process_batch_result(result, self, batch, *args, **kwargs):
     if mem is not None:
         mem.after_step(batch)
     if sched is not None:
-        sched.on_step(batch)
+        busy = bool(self.waiting_queue) or any(not r.finished() for r in batch.reqs) or (
+            self.running_batch is not None and not self.running_batch.is_empty())
+        sched.on_step(batch, busy)
     if flags.current().check_invariants:
         if mem is not None:
             mem.check_invariants()

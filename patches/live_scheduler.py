@@ -13,16 +13,31 @@ Each admission pass:
 3. SGLang's pass considers only those requests (others are skipped for this pass, keeping their place);
 4. what SGLang did not admit after all (its own memory or batch limits) is re-queued at its arrival position.
 Finished requests return their quota and teach the output-length predictor; a request SGLang retracts (decode out
-of memory) is re-queued. Choices left open: bypass squashes (retracting a running request to let a bypassed one in)
-are not applied live. SGLang's retraction could carry one out, but here requests are priced without their adapter
-(`adapter_tokens` 0: the pool charges each resident adapter once), so the rule's test "free + footprint(R2) >=
-need(R1)" cannot tell whether retracting R2 frees the adapter memory R1 waits for, and would squash on every
-bypass. The rank of a base-model request is 0.
+of memory) is re-queued. The rank of a base-model request is 0. The timing model (T_exec and T_wait of the bypass
+rule, a queue's service time before any of its requests finished) runs on this server's measured figures: the time
+between consecutive steps while busy, per token of an extend step and per decode step (`TIMING_EMA`), starting
+from the core's defaults until the first step of each kind is measured.
+
+Squashes (Chameleon's bypass rule, `sgl_multilora/sched/bypass.py`), before each pass with the unified pool: a
+running request R2 that bypassed a queued R1 (R1's adapter could not be made resident even after evicting every
+idle adapter) is retracted when free memory is short of what R1 waits for but would cover it without R2. Live, the
+rule's terms are measured, not predicted, because requests are priced without their adapter (`adapter_tokens` 0:
+the pool charges each resident adapter once):
+- free = `LiveMemory.room()`: free slots, unlocked KV and reclaimable adapters (what `make_room` can reach);
+- need(R1) = its prompt + its adapter's slots and the swapper's headroom while the adapter is not resident;
+- footprint(R2) = `room_without(R2) - room()`: the KV only R2 holds, the tree KV only its lock pins and, when no
+  other running request uses it, its adapter.
+The retraction is SGLang's own (`ScheduleBatch.release_req`, then `filter_batch`, then `_add_request_to_queue`
+as a retracted request), so R2 resumes later by recomputing its prompt and the tokens it already streamed, exactly
+as after SGLang's out-of-memory retraction; the core re-queues it at its arrival position and squashes a request
+at most `max_squashes` times. Not modelled: whether the freed slots form the runs an adapter load needs (the
+loader then frees one more run itself, `Swapper.load`); a squash that did not help is bounded by that limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 
@@ -30,8 +45,13 @@ from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.multiqueue import MultiQueueScheduler
-from sgl_multilora.sched.request import SchedRequest
+from sgl_multilora.sched.request import SchedRequest, TimingModel
 from sgl_multilora.sched.wrs import WrsNormalizer
+
+logger = logging.getLogger(__name__)
+
+TIMING_EMA = 0.2
+"""Weight of the newest step in the measured prefill and decode rates."""
 
 
 class LiveScheduler:
@@ -48,6 +68,9 @@ class LiveScheduler:
         self.planned: set[str] | None = None  # rids the current pass may admit (None: outside a pass)
         self._planned_order: list[str] = []
         self.num_requeued = 0
+        self.num_squashed = 0
+        self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
+        self._measured: dict[str, float] = {}  # "prefill_s_per_token" / "decode_s_per_token" -> EMA
 
     @staticmethod
     def now() -> float:
@@ -74,11 +97,33 @@ class LiveScheduler:
                                  rank=0 if spec is None else spec.rank, adapter_tokens=0,
                                  max_new_tokens=max_new, arrival=self.now()))
 
-    def on_step(self, batch) -> None:
+    def on_step(self, batch, busy: bool) -> None:
+        """A step's result: finished requests leave (teaching the predictor); the step's time is measured when the
+        previous step was `busy` (work went on after it), so idle gaps never count."""
         for req in batch.reqs:
             if req.finished() and req.rid in self.mq.running:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"  # nothing to learn from
                 self.mq.on_finish(req.rid, self.now(), None if aborted else len(req.output_ids))
+        now = time.perf_counter()
+        last, self._last_step_s = self._last_step_s, (now if busy else None)
+        if last is None:
+            return
+        mode = batch.forward_mode
+        if mode.is_decode():
+            self._measure("decode_s_per_token", now - last)
+        elif mode.is_extend():
+            tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
+            if tokens > 0:
+                self._measure("prefill_s_per_token", (now - last) / tokens)
+
+    def _measure(self, key: str, value: float) -> None:
+        old = self._measured.get(key)
+        self._measured[key] = value if old is None else old + TIMING_EMA * (value - old)
+        self.mq.config = dataclasses.replace(self.mq.config, timing=self.timing())
+
+    def timing(self) -> TimingModel:
+        """The core's timing model on the measured rates (its defaults where none is measured yet)."""
+        return dataclasses.replace(TimingModel(), **self._measured)
 
     # ---- one admission pass -----------------------------------------------------------------------------------
 
@@ -90,10 +135,55 @@ class LiveScheduler:
         budget = int(scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size())
         memory = process_state().memory
         is_resident = None if memory is None else memory.residency.is_resident
-        prefetch = None if memory is None else (lambda identity: memory.ensure_resident(identity, None))
+        # False only when no room can be made (the bypass trigger); a load under way is not blocked
+        prefetch = None if memory is None else (
+            lambda identity: memory.ensure_resident(identity, None) or memory.residency.is_loading(identity))
         batch = self.mq.build_batch(self.now(), budget, is_resident, prefetch)
         self._planned_order = [r.rid for r in batch]
         self.planned = set(self._planned_order)
+
+    def squash(self, scheduler, running_batch) -> list:
+        """Retracts the running requests the bypass rule squashes now (module docstring); returns them."""
+        memory = process_state().memory
+        if memory is None or not len(self.mq.bypass) or running_batch is None:
+            return []
+        reqs = {r.rid: r for r in running_batch.reqs if not r.finished() and r.kv.holds_kv}
+        registry = process_state().adapters
+
+        def identity(req) -> str | None:
+            return registry.identity(req.lora_id) if getattr(req, "lora_id", None) is not None else None
+
+        room = memory.room()
+
+        def footprint(r: SchedRequest) -> int:
+            req = reqs.get(r.rid)
+            if req is None:
+                return 0  # not in the decode batch (a chunked prefill in progress): not squashed
+            owned = max(0, int(req.kv.kv_allocated_len) - int(req.kv.cache_protected_len))
+            node = req.lock.node if req.lock is not None else None
+            return memory.room_without(identity(req), node, owned) - room
+
+        def need(r: SchedRequest) -> int:
+            return r.in_len + memory.slots_to_start(r.adapter)
+
+        victims = []
+        for sq in self.mq.squash_candidates(room, footprint, need):
+            req = reqs.get(sq.victim.rid)
+            if req is not None:
+                victims.append((req, sq.beneficiary.rid))
+        if not victims:
+            return []
+        for req, _ in victims:  # SGLang's retraction of one request, without evicting for the others' decode
+            running_batch.release_req(running_batch.reqs.index(req), 0, offload_kv=False)
+        running_batch.filter_batch(reqs_to_exclude=[req for req, _ in victims])
+        running_batch.batch_is_full = False
+        for req, beneficiary in victims:
+            self.mq.requeue(req.rid, squash=True)  # before SGLang queues it, so `on_arrival` finds it queued
+            self.num_squashed += 1
+            scheduler._add_request_to_queue(req, is_retracted=True)
+            logger.info("sgl_multilora: squashed request %s (it bypassed %s, whose adapter now fits)",
+                        req.rid, beneficiary)
+        return [req for req, _ in victims]
 
     def allows(self, req) -> bool:
         """Whether SGLang's current pass may admit `req` from its waiting queue (always outside a pass)."""
@@ -115,5 +205,6 @@ class LiveScheduler:
             "queues": [dataclasses.asdict(q) for q in s.queues], "cutoffs": list(s.cutoffs),
             "num_queued": s.num_queued, "num_running": s.num_running, "quotas_feasible": s.quotas_feasible,
             "promoted": list(s.promoted), "counts": s.counts, "predictor": dataclasses.asdict(s.predictor),
-            "requeued_by_engine": self.num_requeued,
+            "requeued_by_engine": self.num_requeued, "squashed": self.num_squashed,
+            "timing": dataclasses.asdict(self.timing()),
         }

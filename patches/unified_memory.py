@@ -371,6 +371,37 @@ class LiveMemory:
         (`Swapper.reclaimable_adapter_slots`)."""
         return self.swapper.reclaimable_adapter_slots()
 
+    def room(self) -> int:
+        """Slots an admission could have now: free, unlocked KV and reclaimable adapters (SGLang's
+        `available_size() + evictable_size()`)."""
+        return self.pool.num_free + self.swapper.tree.evictable_len() + self.evictable_adapter_slots()
+
+    def room_without(self, identity: str | None, node, owned_slots: int) -> int:
+        """`room()` as it would be if one running request were retracted: its lock on tree node `node` (None: it
+        holds none) and its use of adapter `identity` released, and the `owned_slots` of KV only it holds freed.
+        Computed by releasing both and taking them back before returning: nothing changes."""
+        tree, res = self.swapper.tree, self.residency
+        counted = identity is not None and res.is_resident(identity) and res.num_running(identity) > 0
+        if node is not None:
+            tree.unlock(node)
+        if counted:
+            res.release(identity)
+        try:
+            return self.room() + owned_slots
+        finally:
+            if counted:
+                res.acquire(identity)
+            if node is not None:
+                tree.lock(node)
+
+    def slots_to_start(self, identity: str | None) -> int:
+        """Slots a request on adapter `identity` (None: the base model) waits for beyond its own KV: the adapter's
+        and the swapper's headroom while the adapter is neither resident nor loading, else none."""
+        res = self.residency
+        if identity is None or identity not in res or res.is_resident(identity) or res.is_loading(identity):
+            return 0
+        return res.entry(identity).num_slots + self.swapper.headroom_slots
+
     def host_adapter_bytes(self) -> int:
         """Bytes of the adapters' host copies (one per registered adapter, never dropped)."""
         return sum(a.num_bytes() for a in self._host.values())

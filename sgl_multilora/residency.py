@@ -87,6 +87,10 @@ class AdapterResidency:
         """The live record (read it, never write it). Raises KeyError for an unknown adapter."""
         return self._entries[adapter_id]
 
+    def __contains__(self, adapter_id: object) -> bool:
+        """Whether `adapter_id` is registered."""
+        return adapter_id in self._entries
+
     def ids(self) -> list[str]:
         """Every registered adapter, in registration order."""
         return list(self._entries)

@@ -92,11 +92,15 @@ class BypassBook:
 def squash_candidates(book: BypassBook, running: Mapping[str, SchedRequest],
                       queued: Callable[[str], SchedRequest | None], free_tokens: int,
                       max_squashes: int,
-                      footprint: Callable[[SchedRequest], int] | None = None) -> list[SquashInfo]:
+                      footprint: Callable[[SchedRequest], int] | None = None,
+                      need: Callable[[SchedRequest], int] | None = None) -> list[SquashInfo]:
     """Squashes that the rule calls for now, oldest R1 first, youngest R2 first, at most one per
     R1. Each R1 that can start (with or without a squash) is assumed to take its need out of free
-    memory before the next is tested. Modifies nothing."""
+    memory before the next is tested. `footprint` and `need` replace the predictors above where
+    the caller knows better (a live engine: the slots a retraction gives back, the slots of an
+    adapter that is not resident). Modifies nothing."""
     fp = footprint or (lambda r: r.cost_tokens)
+    need_of = need or need_tokens
     free = free_tokens
     out: list[SquashInfo] = []
     served: set[str] = set()
@@ -104,12 +108,12 @@ def squash_candidates(book: BypassBook, running: Mapping[str, SchedRequest],
     for victim, beneficiary in sorted(pairs, key=lambda p: (p[1].seq, -p[0].seq)):
         if beneficiary.rid in served or victim.num_squashes >= max_squashes:
             continue
-        need = need_tokens(beneficiary)
-        if need <= free:  # R1 starts without a squash and takes its need out of free memory
-            free -= need
+        need_r1 = need_of(beneficiary)
+        if need_r1 <= free:  # R1 starts without a squash and takes its need out of free memory
+            free -= need_r1
             served.add(beneficiary.rid)
-        elif need <= free + fp(victim):
+        elif need_r1 <= free + fp(victim):
             out.append(SquashInfo(victim, beneficiary))
             served.add(beneficiary.rid)
-            free += fp(victim) - need
+            free += fp(victim) - need_r1
     return out

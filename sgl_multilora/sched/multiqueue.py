@@ -255,12 +255,12 @@ class MultiQueueScheduler:
     # ---- bypass and squash -----------------------------------------------------------------------
 
     def squash_candidates(self, free_tokens: int,
-                          footprint: Callable[[SchedRequest], int] | None = None
-                          ) -> list[SquashInfo]:
+                          footprint: Callable[[SchedRequest], int] | None = None,
+                          need: Callable[[SchedRequest], int] | None = None) -> list[SquashInfo]:
         """Running requests to squash now (bypass.py). Modifies nothing: the caller aborts each
         victim in the engine, then calls `requeue(victim.rid, squash=True)`."""
         return squash_candidates(self.bypass, self._running, self.queues.get, free_tokens,
-                                 self.config.max_squashes, footprint)
+                                 self.config.max_squashes, footprint, need)
 
     # ---- refresh ---------------------------------------------------------------------------------
 

@@ -335,3 +335,46 @@ def test_adapters_of_waiting_requests_are_evicted_last(world):
     assert memory.evict(1) >= 1  # one slot more than free: one adapter has to go
     assert memory.residency.is_resident("id-a") and not memory.residency.is_resident("id-b")
     memory.check_invariants()
+
+
+def test_room_without_a_running_request_is_what_retracting_it_gives_back(world):
+    """The squash rule's terms (patches/live_scheduler.py): `room_without` for a running request equals the room
+    after really releasing it (its tree lock, its use of its adapter, the KV only it holds), changes nothing, and
+    tells whether an adapter that cannot be made resident now would be after the retraction."""
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = {n: a.spec.identity for n, a in adapters.items()}
+    entry = memory.residency.entry
+
+    class Req:
+        def __init__(self, lora_id):
+            self.lora_id = lora_id
+
+    assert memory.ensure_resident(ident["a"], budget=None) and memory.ensure_resident(ident["b"], budget=None)
+    # R2 on "a": a 4-token prompt cached in the tree and locked by it, 3 slots of decode KV only it holds
+    prompt = allocator.alloc(4).tolist()
+    node = tree.insert(MatchKey(NS, AdapterRef(ident["a"], "a"), [1, 2, 3, 4]), prompt).last_node
+    allocator.mark_cached(prompt)
+    tree.lock(node)
+    owned = allocator.alloc(3)
+    memory.set_running([Req("a"), Req("b")])  # and a request on "b"; running KV takes every other slot
+    allocator.alloc(allocator.available_size())
+    room, need = memory.room(), memory.slots_to_start(ident["c"])
+    assert room == 0 and need == entry(ident["c"]).num_slots + memory.swapper.headroom_slots > 0
+    assert memory.slots_to_start(ident["a"]) == 0 and memory.slots_to_start(None) == 0
+    assert not memory.ensure_resident(ident["c"], budget=None)  # blocked: nothing may go
+
+    predicted = memory.room_without(ident["a"], node, len(owned))
+    assert predicted == 4 + 3 + entry(ident["a"]).num_slots
+    assert memory.room() == room and node.lock_ref == 1 and memory.residency.num_running(ident["a"]) == 1
+    memory.set_running([Req("a"), Req("a"), Req("b")])  # another request on "a" keeps the adapter: KV only
+    assert memory.room_without(ident["a"], node, len(owned)) == 4 + 3
+    memory.set_running([Req("a"), Req("b")])
+    memory.check_invariants()
+
+    tree.unlock(node)  # the retraction itself, as SGLang's release_kv_cache and the next pass's counts do it
+    allocator.free(owned)
+    memory.set_running([Req("b")])
+    assert memory.room() == predicted
+    assert predicted >= need and memory.ensure_resident(ident["c"], budget=None)
+    assert memory.residency.is_resident(ident["b"])  # still running
+    memory.check_invariants()

@@ -81,6 +81,10 @@ def test_story_bypass_then_squash_then_no_second_squash():
     assert (sq.victim.rid, sq.beneficiary.rid) == ("r2", "r1")
     # the caller may pass the exact tokens a request holds instead of its charged cost
     assert [x.victim.rid for x in s.squash_candidates(0, footprint=lambda r: 150)] == ["r2"]
+    # ... and the exact slots a queued request waits for (live: its adapter's, which it is not charged)
+    assert s.squash_candidates(free_tokens=140, need=lambda r: 161) == []  # 140 + 20 < 161
+    assert s.squash_candidates(free_tokens=130, need=lambda r: 130) == []  # fits without a squash
+    assert [x.beneficiary.rid for x in s.squash_candidates(130, need=lambda r: 150)] == ["r1"]
 
     s.requeue("r2", squash=True)  # the engine aborted it
     assert rids(s.queues.scan(0)) == ["r1", "r2", "r3", "r4"]  # back at its arrival position
