@@ -9,8 +9,10 @@ As live: a request is priced and queued on arrival (rank = its adapter's, 0 for 
 since the pool charges an adapter once, not per request; max_new_tokens = its output length, which the live
 driver sends too, so the prediction is capped by the true length); each pass calls `build_batch(now, budget,
 is_resident, prefetch)`; what the engine did not admit after all is re-queued at its arrival position; a finished
-request returns its quota and teaches the predictor its output length. Squashes are not applied (as live).
+request returns its quota and teaches the predictor its output length.
 Choices of the simulator, each a departure from the live hook:
+- squashes are not applied: the engine never preempts (each admitted request reserves KV for its whole prompt and
+  output, engine.py), where the live hook retracts a bypassing request through SGLang's own retraction;
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
   SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
   queue);
