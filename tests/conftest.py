@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +76,37 @@ def oracle(model_path, tokenizer):
     from tests.oracle import PeftOracle
 
     return PeftOracle(model_path, eos_token_ids={tokenizer.eos_token_id})
+
+
+class SideBySide:
+    """Python subprocesses started together, each run as `subprocess.run([sys.executable, *args])` would run it
+    alone (its own process, its output captured): a module whose tests each start Python and import SGLang (about
+    9 s of one core each) waits for the slowest instead of the sum. Outputs go to files, so no process stalls on a
+    full pipe while another is read."""
+
+    def __init__(self, commands: dict[str, list[str]], timeout_s: float):
+        self.deadline = time.monotonic() + timeout_s
+        self.runs = {}
+        for key, args in commands.items():
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            process = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, text=True)
+            self.runs[key] = (process, out, err)
+
+    def result(self, key: str) -> subprocess.CompletedProcess:
+        """`key`'s process once it exited (subprocess.TimeoutExpired past the deadline)."""
+        process, out, err = self.runs[key]
+        process.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
+
+    def close(self) -> None:
+        for process, out, err in self.runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
 
 
 def start_server(model_path: str, extra_args: list[str], name: str, *, max_total_tokens: int | None = None,

@@ -3,48 +3,56 @@ launcher (--help, bad values), and refusal to start on a drifted SGLang."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from sgl_multilora.patches import hook_table, plugin
+from tests.conftest import SideBySide
 
 
-def run(code_or_args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, timeout=timeout)
+LOAD_PLUGINS = (
+    "import logging, pkgutil\n"
+    "logging.basicConfig(level=logging.INFO)\n"
+    "from sglang.srt.plugins import load_plugins\n"
+    "from sgl_multilora.patches.hook_table import HOOKS\n"
+    "load_plugins()\n"
+    "for spec in HOOKS:\n"
+    "    owner, attr = spec.target.rsplit('.', 1)\n"
+    "    fn = getattr(pkgutil.resolve_name(owner), attr)\n"
+    "    assert hasattr(fn, '__wrapped__'), spec.target\n"
+    "print('applied', len(HOOKS))\n"
+)
 
 
-def test_load_plugins_discovers_and_applies_every_hook():
-    code = (
-        "import logging, pkgutil\n"
-        "logging.basicConfig(level=logging.INFO)\n"
-        "from sglang.srt.plugins import load_plugins\n"
-        "from sgl_multilora.patches.hook_table import HOOKS\n"
-        "load_plugins()\n"
-        "for spec in HOOKS:\n"
-        "    owner, attr = spec.target.rsplit('.', 1)\n"
-        "    fn = getattr(pkgutil.resolve_name(owner), attr)\n"
-        "    assert hasattr(fn, '__wrapped__'), spec.target\n"
-        "print('applied', len(HOOKS))\n"
-    )
-    result = run(["-c", code])
+@pytest.fixture(scope="module")
+def runs():
+    """The three fresh Python processes the tests below read, started side by side (each imports SGLang)."""
+    started = SideBySide({
+        "load_plugins": ["-c", LOAD_PLUGINS],
+        "help": ["-m", "sglang.launch_server", "--help"],
+        "bad_flag": ["-m", "sglang.launch_server", "--model-path", "unused", "--multilora-lora-compute", "fast"],
+    }, timeout_s=180)
+    yield started
+    started.close()
+
+
+def test_load_plugins_discovers_and_applies_every_hook(runs):
+    result = runs.result("load_plugins")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"applied {len(hook_table.HOOKS)}" in result.stdout
     assert "Loaded plugin multilora from group sglang.srt.plugins" in result.stderr
     assert "Executed general plugin: multilora" in result.stderr
 
 
-def test_flags_appear_in_launch_server_help():
-    result = run(["-m", "sglang.launch_server", "--help"])
+def test_flags_appear_in_launch_server_help(runs):
+    result = runs.result("help")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sgl_multilora" in result.stdout
     for flag in ("--multilora-lora-compute", "--multilora-adapter-dir"):
         assert flag in result.stdout
 
 
-def test_bad_flag_value_stops_the_launcher_with_a_clear_error():
-    result = run(["-m", "sglang.launch_server", "--model-path", "unused", "--multilora-lora-compute", "fast"])
+def test_bad_flag_value_stops_the_launcher_with_a_clear_error(runs):
+    result = runs.result("bad_flag")
     assert result.returncode == 2
     assert "argument --multilora-lora-compute: invalid choice: 'fast'" in result.stderr
 
