@@ -3,18 +3,27 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from tests.conftest import SideBySide
 
-@pytest.mark.parametrize("module, expected", [
+TOOLS = [
     ("sglang.bench_serving", "--dataset-name"),
     ("sglang.bench_one_batch_server", "--batch-size"),
     ("sglang.benchmark.offline_throughput", "--num-prompts"),
-])
-def test_tool_starts_and_prints_its_help(module, expected):
-    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Each tool's `python -m <tool> --help` in a fresh process, the three started side by side."""
+    started = SideBySide({module: ["-m", module, "--help"] for module, _ in TOOLS}, timeout_s=300)
+    yield started
+    started.close()
+
+
+@pytest.mark.parametrize("module, expected", TOOLS)
+def test_tool_starts_and_prints_its_help(runs, module, expected):
+    result = runs.result(module)
     assert result.returncode == 0, result.stderr[-3000:]
     assert expected in result.stdout
