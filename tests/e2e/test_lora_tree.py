@@ -124,11 +124,17 @@ def test_alora_check_reuses_the_base_prefix_and_matches_peft(server, tokenizer, 
 
 
 def test_alora_without_a_cached_prefix_matches_peft(server, tokenizer, oracle, aloras):
+    served = []
     for entry in aloras:
         ctx = context(tokenizer, f"What is special about {entry['name']}?", "NOTHING AT ALL, REALLY.")
         prompt = ctx + invocation_ids(tokenizer, entry)
         out = generate_checked(server, prompt, entry["name"])
         assert out["meta_info"]["cached_tokens"] < len(ctx) - 10  # at most the shared system prompt
+        served.append((entry, prompt, out))
+    # PEFT's outputs at the true activation start and one position early and late, each adapter's three in one batch
+    oracle.prefetch([(entry["path"], prompt, MAX_NEW_TOKENS, shift) for entry, prompt, _ in served
+                     for shift in (0, -1, 1)], ignore_eos=True)
+    for entry, prompt, out in served:
         assert_matches(out, peft(oracle, entry, prompt), entry["name"])
         assert_shift_rejected(out, oracle, entry["path"], prompt, MAX_NEW_TOKENS, entry["name"])
 
