@@ -89,11 +89,17 @@ def test_cache_attacks_read_no_cached_kv(server, tokenizer):
     assert generate(server, prompt, VICTIM, max_new_tokens=2).status_code == 200
     victim_id = lora_paths_id(VICTIM, str(ADAPTERS_DIR / VICTIM))
     identity = read_spec(ADAPTERS_DIR / VICTIM, VICTIM).identity
-    rows = [run_attack(server.url, prompt, a) for a in cache_attacks(victim_id, identity, OTHER, num_random=4)]
     salt = "tenant-7f3a9c"
     tenant_prompt = long_prompt(tokenizer, 128, seed=2)
     assert generate(server, tenant_prompt, cache_salt=salt, max_new_tokens=2).status_code == 200
-    rows += [run_attack(server.url, tenant_prompt, a) for a in tenant_attacks(salt)]
+    attacks = [(prompt, a) for a in cache_attacks(victim_id, identity, OTHER, num_random=4)]
+    attacks += [(tenant_prompt, a) for a in tenant_attacks(salt)]
+    # Four attacks at a time: the victims' entries are cached before any of them starts, so each one's cached
+    # tokens show what it reached of them, as one at a time (the attacks' own fields all differ).
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(lambda pa: run_attack(server.url, *pa), attacks))
+    namespaces = [tuple(sorted(a.fields.items())) for _, a in attacks]
+    assert len(set(namespaces)) == len(namespaces), "two attacks share a namespace"
 
     assert all(r["server_alive"] for r in rows), rows
     leaks = [r for r in rows if r["status"] == 200 and r["cached_tokens"] != 0]
