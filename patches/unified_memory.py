@@ -373,8 +373,8 @@ class LiveMemory:
 
     def room(self) -> int:
         """Slots an admission could have now: free, unlocked KV and reclaimable adapters (SGLang's
-        `available_size() + evictable_size()`)."""
-        return self.pool.num_free + self.swapper.tree.evictable_len() + self.evictable_adapter_slots()
+        `available_size() + evictable_size()`, what the swapper can reach)."""
+        return self.swapper.reachable_slots()
 
     def room_without(self, identity: str | None, node, owned_slots: int) -> int:
         """`room()` as it would be if one running request were retracted: its lock on tree node `node` (None: it
