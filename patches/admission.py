@@ -118,8 +118,8 @@ def process_batch_result(result, self, batch, *args, **kwargs):
     if mem is not None:
         mem.after_step(batch)
     if sched is not None:
-        busy = bool(self.waiting_queue) or any(not r.finished() for r in batch.reqs) or (
-            self.running_batch is not None and not self.running_batch.is_empty())
+        busy = bool(self.waiting_queue) or (self.running_batch is not None and not self.running_batch.is_empty()) \
+            or any(not r.finished() for r in batch.reqs)
         sched.on_step(batch, busy)
     if flags.current().check_invariants:
         if mem is not None:

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 TIMING_EMA = 0.2
 """Weight of the newest step in the measured prefill and decode rates."""
+TIMING_RESYNC = 0.05
+"""The scheduler's timing model follows a measured rate once it has moved this share away from it (not every
+step: a step's result should cost next to nothing)."""
 
 
 class LiveScheduler:
@@ -118,8 +121,10 @@ class LiveScheduler:
 
     def _measure(self, key: str, value: float) -> None:
         old = self._measured.get(key)
-        self._measured[key] = value if old is None else old + TIMING_EMA * (value - old)
-        self.mq.config = dataclasses.replace(self.mq.config, timing=self.timing())
+        new = self._measured[key] = value if old is None else old + TIMING_EMA * (value - old)
+        applied = getattr(self.mq.config.timing, key)
+        if old is None or abs(new - applied) > TIMING_RESYNC * applied:  # a new config only on a real change
+            self.mq.config = dataclasses.replace(self.mq.config, timing=self.timing())
 
     def timing(self) -> TimingModel:
         """The core's timing model on the measured rates (its defaults where none is measured yet)."""
