@@ -3,8 +3,8 @@ the multi-queue scheduler (`live_scheduler.LiveScheduler`): each hook translates
 process's owners (`state.py`), which exist only when their flags are on.
 
 Per admission pass (`Scheduler.get_new_batch_prefill`): before it, the memory pins the adapters of running
-requests and runs the idle swapper, the multi-queue scheduler retracts what the bypass rule squashes and plans which
-waiting requests the pass may take; during it, a request outside the plan or whose adapter is not resident is
+requests and runs the idle swapper, the multi-queue scheduler retracts what its squash rules take back (adapter
+memory, adapter slots) and plans which waiting requests the pass may take; during it, a request outside the plan or whose adapter is not resident is
 skipped (`can_schedule_lora_req`, `PrefillAdder.add_one_req`); after it, the memory re-reads the running adapters
 and the scheduler re-queues what SGLang did not admit. Per step (`process_batch_result`): step statistics,
 finished requests, test-mode invariants.
@@ -38,11 +38,11 @@ def get_new_batch_prefill(original, self, running_batch):
     if mem is not None:
         mem.before_prefill_pass(_running(self, running_batch), {r.rid for r in self.waiting_queue})
         mem.set_wanted(self.waiting_queue)
-        if sched is not None and sched.squash(self, running_batch):  # the bypass rule's retractions
+    if sched is not None:
+        if sched.squash(self, running_batch) and mem is not None:  # the squash rules' retractions
             mem.set_running(_running(self, running_batch))
             mem.set_wanted(self.waiting_queue)
-    if sched is not None:
-        sched.before_pass(self)
+        sched.before_pass(self, _running(self, running_batch))
     plan = None
     try:
         plan = original(self, running_batch)

@@ -10,6 +10,9 @@ Each admission pass:
 2. `build_batch(now, budget)` admits requests queue by queue within their token quotas (smallest WRS first, spare
    quota lent from empty queues), the budget being what SGLang's KV pool can take now (free + evictable); a request
    whose adapter is not resident is passed over without blocking its queue, and its adapter is asked for;
+   with LoRA on, the batch's adapter slots are counted as SGLang counts them (`--max-loras-per-batch`
+   distinct adapters, the base model one of them): a request that would need a slot none is left for is
+   passed over, keeping its place;
 3. SGLang's pass considers only those requests (others are skipped for this pass, keeping their place);
 4. what SGLang did not admit after all (its own memory or batch limits) is re-queued at its arrival position.
 Finished requests return their quota and teach the output-length predictor; a request SGLang retracts (decode out
@@ -32,6 +35,13 @@ as a retracted request), so R2 resumes later by recomputing its prompt and the t
 as after SGLang's out-of-memory retraction; the core re-queues it at its arrival position and squashes a request
 at most `max_squashes` times. Not modelled: whether the freed slots form the runs an adapter load needs (the
 loader then frees one more run itself, `Swapper.load`); a squash that did not help is bounded by that limit.
+
+Slot squashes (`sgl_multilora/sched/slots.py`), before each pass with LoRA on: when every adapter slot of the batch
+is taken and the oldest queued request that needs a new one would miss its TTFT SLO waiting, the running requests
+of the adapter cheapest to recompute (prompt + output tokens) are retracted the same way, and the freed slot is
+reserved for that request. Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters
+are not modelled (with pinned adapters its check can refuse what the plan admits; the refused request is pushed
+back and keeps its place).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import defaultdict
 
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
@@ -72,6 +83,7 @@ class LiveScheduler:
         self._planned_order: list[str] = []
         self.num_requeued = 0
         self.num_squashed = 0
+        self.num_slot_squashed = 0
         self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
         self._measured: dict[str, float] = {}  # "prefill_s_per_token" / "decode_s_per_token" -> EMA
 
@@ -132,7 +144,17 @@ class LiveScheduler:
 
     # ---- one admission pass -----------------------------------------------------------------------------------
 
-    def before_pass(self, scheduler) -> None:
+    def _identity(self, req) -> str | None:
+        lora_id = getattr(req, "lora_id", None)
+        return process_state().adapters.identity(lora_id) if lora_id is not None else None
+
+    @staticmethod
+    def slot_cap(scheduler) -> int | None:
+        """SGLang's cap on distinct adapters per batch (None with LoRA off)."""
+        return int(scheduler.max_loras_per_batch) if getattr(scheduler, "enable_lora", False) else None
+
+    def before_pass(self, scheduler, running: list) -> None:
+        """Plans this pass; `running`: the running batch's unfinished requests and the chunked one."""
         waiting = {r.rid for r in scheduler.waiting_queue}
         for r in [r for q in range(self.mq.queues.num_queues) for r in self.mq.queues.scan(q)]:
             if r.rid not in waiting:
@@ -143,21 +165,31 @@ class LiveScheduler:
         # False only when no room can be made (the bypass trigger); a load under way is not blocked
         prefetch = None if memory is None else (
             lambda identity: memory.ensure_resident(identity, None) or memory.residency.is_loading(identity))
-        batch = self.mq.build_batch(self.now(), budget, is_resident, prefetch)
+        cap = self.slot_cap(scheduler)
+        adapters = None if cap is None else {self._identity(r) for r in running}
+        batch = self.mq.build_batch(self.now(), budget, is_resident, prefetch, adapters, cap)
         self._planned_order = [r.rid for r in batch]
         self.planned = set(self._planned_order)
 
     def squash(self, scheduler, running_batch) -> list:
-        """Retracts the running requests the bypass rule squashes now (module docstring); returns them."""
+        """Retracts the running requests the squash rules take back now (module docstring); returns them."""
+        if running_batch is None:
+            return []
+        return self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
+
+    def _retract(self, scheduler, running_batch, victims: list) -> None:
+        """SGLang's retraction of running requests, without evicting for the others' decode."""
+        for req in victims:
+            running_batch.release_req(running_batch.reqs.index(req), 0, offload_kv=False)
+        running_batch.filter_batch(reqs_to_exclude=victims)
+        running_batch.batch_is_full = False
+
+    def _memory_squash(self, scheduler, running_batch) -> list:
         memory = process_state().memory
-        if memory is None or not len(self.mq.bypass) or running_batch is None:
+        if memory is None or not len(self.mq.bypass):
             return []
         reqs = {r.rid: r for r in running_batch.reqs if not r.finished() and r.kv.holds_kv}
-        registry = process_state().adapters
-
-        def identity(req) -> str | None:
-            return registry.identity(req.lora_id) if getattr(req, "lora_id", None) is not None else None
-
+        identity = self._identity
         room = memory.room()
 
         def footprint(r: SchedRequest) -> int:
@@ -178,10 +210,7 @@ class LiveScheduler:
                 victims.append((req, sq.beneficiary.rid))
         if not victims:
             return []
-        for req, _ in victims:  # SGLang's retraction of one request, without evicting for the others' decode
-            running_batch.release_req(running_batch.reqs.index(req), 0, offload_kv=False)
-        running_batch.filter_batch(reqs_to_exclude=[req for req, _ in victims])
-        running_batch.batch_is_full = False
+        self._retract(scheduler, running_batch, [req for req, _ in victims])
         for req, beneficiary in victims:
             self.mq.requeue(req.rid, squash=True)  # before SGLang queues it, so `on_arrival` finds it queued
             self.num_squashed += 1
@@ -189,6 +218,46 @@ class LiveScheduler:
             logger.info("sgl_multilora: squashed request %s (it bypassed %s, whose adapter now fits)",
                         req.rid, beneficiary)
         return [req for req, _ in victims]
+
+    def _slot_squash(self, scheduler, running_batch) -> list:
+        cap = self.slot_cap(scheduler)
+        if cap is None:
+            return []
+        by_adapter: dict[str | None, list] = defaultdict(list)
+        for req in running_batch.reqs:
+            if not req.finished():
+                by_adapter[self._identity(req)].append(req)
+        excluded = set()
+        chunked = scheduler.chunked_req
+        if chunked is not None:  # holds its adapter's slot until its prefill and decode end; never squashed
+            excluded.add(self._identity(chunked))
+            by_adapter[self._identity(chunked)].append(chunked)
+        if len(by_adapter) < cap:
+            return []
+        by_rid = {req.rid: req for reqs in by_adapter.values() for req in reqs}
+        memory = process_state().memory
+
+        def recompute(r: SchedRequest) -> int:
+            req = by_rid[r.rid]
+            return len(req.origin_input_ids) + len(req.output_ids)
+
+        squash = self.mq.slot_squash(self.now(), {a: [r.rid for r in reqs] for a, reqs in by_adapter.items()},
+                                     cap, recompute, None if memory is None else memory.residency.is_resident,
+                                     excluded)
+        if squash is None:
+            return []
+        victims = [by_rid[r.rid] for r in squash.victims]
+        if not all(req.kv.holds_kv for req in victims):
+            return []  # one of them is between states: the rule is asked again next pass
+        self._retract(scheduler, running_batch, victims)
+        self.mq.commit_slot_squash(squash)  # before SGLang queues them, so `on_arrival` finds them queued
+        for req in victims:
+            scheduler._add_request_to_queue(req, is_retracted=True)
+        self.num_slot_squashed += len(victims)
+        logger.info("sgl_multilora: squashed %d request(s) of adapter %s for request %s's adapter slot "
+                    "(a slot would have freed in %.1f s)", len(victims), squash.adapter or "base",
+                    squash.beneficiary.rid, squash.wait_s)
+        return victims
 
     def allows(self, req) -> bool:
         """Whether SGLang's current pass may admit `req` from its waiting queue (always outside a pass)."""
@@ -211,5 +280,6 @@ class LiveScheduler:
             "num_queued": s.num_queued, "num_running": s.num_running, "quotas_feasible": s.quotas_feasible,
             "promoted": list(s.promoted), "counts": s.counts, "predictor": dataclasses.asdict(s.predictor),
             "requeued_by_engine": self.num_requeued, "squashed": self.num_squashed,
+            "slot_squashed": self.num_slot_squashed, "slot_reserved_for": self.mq.slot_reserved_for,
             "timing": dataclasses.asdict(self.timing()),
         }

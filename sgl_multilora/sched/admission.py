@@ -18,6 +18,9 @@ Rules, in the order a request meets them (reference/seed-chameleon.md, 4.3 and 4
    adapter, that request is R1 for the bypass rule.
 4. Bypass: after such an R1, a request passes only if T_wait(R1) > T_exec(it); the first that
    fails stops the queue (bypass.py defines both times).
+5. Slots: with the engine's cap on adapters per batch given (slots.py), a request that would need
+   a new slot when none is left (or only one reserved for another request) is passed over, keeping
+   its place, as in 3 (it counts towards `lookahead`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 from sgl_multilora.sched.bypass import predict_wait_s
 from sgl_multilora.sched.request import SchedRequest, TimingModel
+from sgl_multilora.sched.slots import AdapterSlots
 
 IsResident = Callable[[str], bool]
 """adapter -> its weights are on the device now."""
@@ -36,12 +40,13 @@ evicting every idle adapter (the bypass trigger)."""
 
 
 class BatchContext:
-    """One build_batch call's scratch: the budget left and each adapter's callback answers (each
-    callback runs at most once per adapter and batch)."""
+    """One build_batch call's scratch: the budget left, the adapter slots left (None: no cap) and
+    each adapter's callback answers (each callback runs at most once per adapter and batch)."""
 
     def __init__(self, now: float, budget: int | None, is_resident: IsResident | None,
-                 prefetch: RequestPrefetch | None) -> None:
-        self.now, self.budget = now, budget
+                 prefetch: RequestPrefetch | None, slots: AdapterSlots | None = None) -> None:
+        self.now, self.budget, self.slots = now, budget, slots
+        self.slot_skips = 0
         self._is_resident, self._prefetch = is_resident, prefetch
         self._resident: dict[str, bool] = {}
         self._loadable: dict[str, bool] = {}
@@ -52,6 +57,15 @@ class BatchContext:
         if adapter not in self._resident:
             self._resident[adapter] = self._is_resident(adapter)
         return self._resident[adapter]
+
+    def has_slot(self, r: SchedRequest) -> bool:
+        ok = self.slots is None or self.slots.has_slot(r)
+        self.slot_skips += not ok
+        return ok
+
+    def take_slot(self, r: SchedRequest) -> None:
+        if self.slots is not None:
+            self.slots.take(r)
 
     def loadable(self, adapter: str) -> bool:
         """Asks for a prefetch; False means memory-blocked."""
@@ -112,6 +126,12 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
             continue
         if blocker is not None and t_wait <= timing.request_exec_s(r):
             break
+        if not ctx.has_slot(r):
+            passed += 1
+            if passed > lookahead:
+                break
+            continue
+        ctx.take_slot(r)
         from_own = cost if lenders is None else min(cost, max(0, own))
         r.charges = ([(view.index, from_own)] if from_own else []) + borrow(cost - from_own,
                                                                            lenders)

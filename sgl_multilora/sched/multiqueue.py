@@ -20,6 +20,10 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   from their own remainder plus that spare pool. Borrowed tokens are charged to the lenders and
   return to them on finish (the paper leaves this open; charging the borrower would let the held
   tokens exceed the total).
+- With the engine's cap on adapters per batch given (`slots`), a request that would need a new
+  slot when none is left is passed over in every phase, keeping its place; a slot squash
+  (slots.py: the running requests of one adapter retracted so that a request about to miss its
+  TTFT SLO gets a slot) reserves the freed slot for its beneficiary until it is admitted.
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
   queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
   promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted. A
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from itertools import pairwise
 
 from sgl_multilora.sched.admission import (
@@ -55,6 +59,7 @@ from sgl_multilora.sched.predictor import OutputLengthPredictor
 from sgl_multilora.sched.queues import QueueSet
 from sgl_multilora.sched.quotas import QuotaLedger
 from sgl_multilora.sched.request import SchedRequest
+from sgl_multilora.sched.slots import AdapterSlots, SlotSquash, choose_slot_squash
 from sgl_multilora.sched.stats import QueueInfo, SchedStats
 
 
@@ -74,8 +79,9 @@ class MultiQueueScheduler:
         self._num_batches = 0
         self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
+        self._slot_reserved: str | None = None  # the rid a slot squash freed a slot for
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
-                       "pushed_back": 0, "overdue": 0}
+                       "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_skips": 0}
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -100,6 +106,8 @@ class MultiQueueScheduler:
         if r is not None:
             self.bypass.forget(rid)
             self._clear_skip(r)
+            if rid == self._slot_reserved:
+                self._slot_reserved = None
         return r
 
     def on_finish(self, rid: str, now: float, out_len: int | None = None) -> SchedRequest:
@@ -123,6 +131,7 @@ class MultiQueueScheduler:
         running."""
         r = self._pop_running(rid)
         r.admitted_at = None
+        r.resumed = r.resumed or not pushed_back
         if squash:
             r.num_squashes += 1
             self.counts["squashes"] += 1
@@ -150,14 +159,25 @@ class MultiQueueScheduler:
 
     def build_batch(self, now: float, budget_tokens: int | None = None,
                     is_resident: IsResident | None = None,
-                    request_prefetch: RequestPrefetch | None = None) -> list[SchedRequest]:
+                    request_prefetch: RequestPrefetch | None = None,
+                    running_adapters: Collection[str | None] | None = None,
+                    max_adapters: int | None = None) -> list[SchedRequest]:
         """Admits requests for this iteration (Algorithm 1 as above), refreshing the plan first
         when one is due. The returned requests are running from now on: finish each with
-        `on_finish` or return it with `requeue`. Without callbacks every adapter is resident."""
+        `on_finish` or return it with `requeue`. Without callbacks every adapter is resident;
+        without `max_adapters` (the engine's cap on distinct adapters per batch, the base model
+        counting as one; `running_adapters`: those of the engine's running requests) there is no
+        cap."""
         self.refresh(now)
-        ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch)
+        slots = None
+        if max_adapters is not None:
+            reserved = self._slot_reserved if self._slot_reserved in self.queues else None
+            slots = AdapterSlots(set(running_adapters or ()), max_adapters, reserved)
+        ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
         batch: list[SchedRequest] = []
-        if self._admit_overdue(ctx, batch):
+        held = self._admit_overdue(ctx, batch)
+        self.counts["slot_skips"] += ctx.slot_skips
+        if held:
             self._num_batches += 1
             return batch
         k = self.queues.num_queues
@@ -205,6 +225,12 @@ class MultiQueueScheduler:
                 continue
             if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
                 return True  # nothing running and still too big: it goes in, the engine has all it will have
+            if not ctx.has_slot(r):  # passed over like a loading one: slots free up as adapters drain
+                passed += 1
+                if passed > self.config.lookahead:
+                    return False
+                continue
+            ctx.take_slot(r)
             r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
             if ctx.budget is not None:
                 ctx.budget -= r.cost_tokens
@@ -217,8 +243,10 @@ class MultiQueueScheduler:
               lenders: list[list[int]] | None) -> None:
         view = QueueView(q, self.ledger.available(q), self.ledger.quotas[q],
                          self.ledger.held[q] == 0)
+        skips = ctx.slot_skips
         result = scan_queue(self.queues.scan(q), view, ctx, lenders, self._running.values(),
                             self.config.timing, self.config.lookahead)
+        self.counts["slot_skips"] += ctx.slot_skips - skips
         if result.budget_stop is not None and lenders is None:
             self._note_budget_skip(q, result.budget_stop)
         for r in result.admitted:
@@ -230,6 +258,8 @@ class MultiQueueScheduler:
 
     def _start(self, r: SchedRequest, now: float) -> None:
         self.queues.pop(r.rid)
+        if r.rid == self._slot_reserved:
+            self._slot_reserved = None
         self.bypass.forget_beneficiary(r.rid)
         self._clear_skip(r)
         self.ledger.charge(r.charges)
@@ -261,6 +291,43 @@ class MultiQueueScheduler:
         victim in the engine, then calls `requeue(victim.rid, squash=True)`."""
         return squash_candidates(self.bypass, self._running, self.queues.get, free_tokens,
                                  self.config.max_squashes, footprint, need)
+
+    def slot_squash(self, now: float, running_adapters: Mapping[str | None, Collection[str]],
+                    max_adapters: int, recompute_tokens: Callable[[SchedRequest], int],
+                    is_resident: IsResident | None = None,
+                    excluded: Collection[str | None] = ()) -> SlotSquash | None:
+        """The slot squash to apply now, if any (slots.py): `running_adapters` maps each adapter
+        the engine runs (None: the base model) to its running rids, `max_adapters` is the engine's
+        cap, `recompute_tokens(r)` what retracting r costs, `excluded` adapters that may not be
+        squashed. None while a slot is free, while an earlier squash's beneficiary is still queued,
+        or when no queued request qualifies. O(queued + running). Modifies nothing: the caller
+        retracts the victims in the engine, then calls `commit_slot_squash`."""
+        if len(running_adapters) < max_adapters or self._slot_reserved in self.queues:
+            return None
+        r1 = None
+        for q in range(self.queues.num_queues):
+            for r in self.queues.scan(q):
+                if r.resumed or r.adapter in running_adapters or (r1 is not None and r.seq > r1.seq):
+                    continue
+                if is_resident is None or r.adapter is None or is_resident(r.adapter):
+                    r1 = r
+        if r1 is None:
+            return None
+        running = {a: [self._running.get(rid) for rid in rids] for a, rids in running_adapters.items()}
+        return choose_slot_squash(r1, running, now, self.config, recompute_tokens, excluded)
+
+    def commit_slot_squash(self, squash: SlotSquash) -> None:
+        """After the engine retracted `squash.victims`: each goes back to its arrival position
+        (`requeue(squash=True)`), and the freed slot is reserved for the beneficiary."""
+        for r in squash.victims:
+            self.requeue(r.rid, squash=True)
+        self._slot_reserved = squash.beneficiary.rid
+        self.counts["slot_squashes"] += 1
+
+    @property
+    def slot_reserved_for(self) -> str | None:
+        """The queued rid a slot squash reserved a slot for (None: no reservation)."""
+        return self._slot_reserved if self._slot_reserved in self.queues else None
 
     # ---- refresh ---------------------------------------------------------------------------------
 
@@ -355,6 +422,8 @@ class MultiQueueScheduler:
             assert rid not in self.queues, f"{rid} both queued and running"
             assert r.admitted_at is not None and 0 <= r.queue < k, f"{r} running but not admitted"
             assert sum(t for _, t in r.charges) == r.cost_tokens, f"{r} charges {r.charges}"
+        assert self._slot_reserved is None or self._slot_reserved in self.queues, \
+            f"a slot reserved for {self._slot_reserved}, which is not queued"
         self.ledger.check_invariants(r.charges for r in self._running.values())
         self.bypass.check_invariants(self._running, self.queues.get)
         self.predictor.check_invariants()

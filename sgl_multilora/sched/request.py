@@ -46,6 +46,9 @@ class SchedRequest:
     num_squashes: int = 0
     num_pushbacks: int = 0
     """Times the engine did not take this request after a batch planned it."""
+    resumed: bool = False
+    """It ran and was taken back (squashed, or retracted by the engine): its first token is
+    out, so no slot squash is made for it (slots.py)."""
 
     def __repr__(self) -> str:
         return (f"SchedRequest({self.rid!r}, adapter={self.adapter!r}, in={self.in_len}, "

@@ -37,4 +37,6 @@ class SchedStats:
     promoted: tuple[int, ...]
     """Queues going first because their head kept missing the batch budget."""
     counts: dict[str, int]
-    """admitted, finished, bypasses, squashes, refreshes (since start)."""
+    """Since start: admitted, finished, bypasses, squashes (adapter memory), slot_squashes,
+    slot_skips (times a batch passed over a request for want of an adapter slot; one request can
+    count in many batches), refreshes, pushed_back, overdue."""

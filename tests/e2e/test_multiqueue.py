@@ -127,3 +127,65 @@ def test_aborts_and_an_unload_while_requests_wait_leave_nothing_behind(server, t
     again = requests.post(server.url + "/generate", json=body, timeout=900)
     assert again.status_code == 200, again.text
     assert_matches(again.json(), oracle.greedy(entry["path"], ids, 8, ignore_eos=True), "caps loaded again")
+
+
+def test_a_request_blocked_by_the_adapter_slot_cap_gets_a_slot_squashed_for_it(server, tokenizer, manifest, oracle):
+    """Four long decodes hold the four adapter slots (`--max-loras-per-batch 4`: the base model, caps, json,
+    bullets); a short request on a fifth adapter would wait for one of them to finish. Once it has waited half its
+    TTFT SLO, the running requests of the adapter cheapest to recompute are retracted and the slot is its: it is
+    answered before the long decodes end, one slot squash is counted, the retracted request resumes by recomputing,
+    and every output, the retracted one's included, equals PEFT's."""
+    import threading
+    import time
+
+    from tests.e2e.served import memory
+
+    by_name = {e["name"]: e for e in manifest}
+    before = memory(server)["scheduler"]
+
+    def chat(text):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+
+    long_new = 96
+    holders = [(None, chat("Tell me a long story about a lighthouse keeper.")),
+               (by_name["caps"], chat("Describe a walk along the river in spring.")),
+               (by_name["json"], chat("List the planets with one fact each.")),
+               (by_name["bullets"], chat("Give advice for a first trip abroad."))]
+    short = by_name["check_caps"]
+    short_ids = chat("is this text in capital letters? HELLO THERE") + list(short["invocation_token_ids"])
+    done: dict[str, tuple[float, dict]] = {}
+
+    def send(key, entry, ids, n):
+        body = {"input_ids": ids, "lora_path": entry and entry["name"], **logprob_fields(),
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        res = requests.post(server.url + "/generate", json=body, timeout=900)
+        assert res.status_code == 200, res.text
+        done[key] = (time.monotonic(), res.json())
+
+    threads = [threading.Thread(target=send, args=(f"long{i}", e, ids, long_new)) for i, (e, ids) in enumerate(holders)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while memory(server)["running"] < len(holders):  # all four decoding: every slot taken
+        assert time.monotonic() < deadline and not done, "the four long requests never ran together"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    short_thread = threading.Thread(target=send, args=("short", short, short_ids, 8))
+    short_thread.start()
+    for t in [*threads, short_thread]:
+        t.join()
+
+    after = wait_idle(server)["scheduler"]
+    assert after["counts"]["slot_squashes"] - before["counts"]["slot_squashes"] == 1, after
+    assert after["slot_squashed"] > before["slot_squashed"] and after["slot_reserved_for"] is None, after
+    short_done = done["short"][0]
+    assert short_done < min(done[f"long{i}"][0] for i in range(len(holders))), \
+        f"the short request ({short_done - sent:.1f} s) waited for a long decode to end"
+    oracle.prefetch([(e and e["path"], ids, long_new) for e, ids in holders] + [(short["path"], short_ids, 8)],
+                    ignore_eos=True)
+    for i, (e, ids) in enumerate(holders):
+        assert_matches(done[f"long{i}"][1], oracle.greedy(e and e["path"], ids, long_new, ignore_eos=True),
+                       f"{e['name'] if e else 'base'} next to a slot squash")
+    assert_matches(done["short"][1], oracle.greedy(short["path"], short_ids, 8, ignore_eos=True),
+                   "check_caps after its slot squash")

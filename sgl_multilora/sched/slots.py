@@ -1,0 +1,120 @@
+"""Batch adapter slots: the engine's cap on distinct adapters per batch, and the slot squash.
+
+Lives here: `AdapterSlots` (one batch's view of the cap), `SlotSquash` and `choose_slot_squash`
+(pure). Not here: applying a squash (`MultiQueueScheduler.commit_slot_squash`; the engine retracts
+the victims) or the admission scan that asks for slots (admission.py).
+
+The resource. SGLang runs at most `--max-loras-per-batch` distinct adapters in one batch (the base
+model counts as one); a request whose adapter is not among the running ones waits until every
+running request of some adapter has finished. Under decode-heavy load that wait is a whole decode:
+in eval/results/multiqueue_live.md requests of 9 prompt tokens waited 17 s behind eight adapters'
+40-token decodes, under fcfs and the plain multi-queue alike. Chameleon's engine (S-LoRA) has no
+such cap, so the paper has no rule for it; these two apply its ideas to it.
+
+1. Admission counts slots. A request that would need a new slot when none is left is passed over,
+   keeping its place, as one whose adapter is loading is: it does not stop its queue, and the plan
+   agrees with what the engine will take.
+2. Slot squash (Chameleon's squash, for slots instead of adapter memory). When every slot is taken
+   and R1, the oldest queued request that needs a new slot (its adapter resident, no token of it
+   produced yet), would miss its TTFT SLO waiting for one, the running requests of one adapter are
+   retracted and go back to their arrival positions, and the freed slot is reserved for R1 until
+   it is admitted. "Would miss": its wait so far plus the predicted time until some running
+   adapter's last request finishes exceeds the SLO, or it has already waited `STALE_SHARE` of the
+   SLO (the prediction was wrong: an output-length predictor underestimates long decodes). The
+   victim adapter is the one cheapest to recompute (the prompt and output tokens of its running
+   requests), among those whose requests may all still be squashed (`max_squashes` each) and whose
+   recompute takes less than the SLO at the timing model's prefill rate. Bounds: one squash at a
+   time (none while a reserved R1 waits), a request squashed at most `max_squashes` times, and a
+   retracted request is never R1 (its first token is out; its TTFT cannot be saved), so squashes
+   cannot cascade or alternate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sgl_multilora.sched.config import SchedConfig
+from sgl_multilora.sched.request import SchedRequest, TimingModel
+
+STALE_SHARE = 0.5
+"""R1 is squashed for once it has waited this share of the TTFT SLO for a slot, whatever the
+prediction says."""
+
+
+@dataclass
+class AdapterSlots:
+    """One batch's slots: the adapters running (None: the base model) and the cap. `reserved`: the
+    rid a squash freed a slot for; until it takes one, every other request that needs a new slot
+    finds one fewer."""
+
+    running: set[str | None]
+    cap: int
+    reserved: str | None = None
+    in_batch: set[str | None] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.cap < 1:
+            raise ValueError(f"an adapter slot cap must be >= 1, got {self.cap}")
+        self.in_batch = set(self.running)
+
+    def has_slot(self, r: SchedRequest) -> bool:
+        if r.adapter in self.in_batch:
+            return True
+        free = self.cap - len(self.in_batch) - (self.reserved is not None and self.reserved != r.rid)
+        return free > 0
+
+    def take(self, r: SchedRequest) -> None:
+        self.in_batch.add(r.adapter)
+        if r.rid == self.reserved:
+            self.reserved = None
+
+
+@dataclass(frozen=True)
+class SlotSquash:
+    adapter: str | None
+    """The adapter whose running requests go (None: the base model)."""
+    victims: tuple[SchedRequest, ...]
+    """Every running request of `adapter`: retract each in the engine, then `commit_slot_squash`."""
+    beneficiary: SchedRequest
+    """R1: queued; the freed slot is reserved for it."""
+    wait_s: float
+    """Predicted time until a slot would have freed without the squash."""
+
+
+def slot_free_in_s(running: Mapping[str | None, Sequence[SchedRequest]], now: float,
+                   timing: TimingModel) -> float:
+    """Predicted time until some running adapter's last request finishes (0 with none running)."""
+    return min((max((timing.remaining_s(r, now) for r in reqs), default=0.0)
+                for reqs in running.values()), default=0.0)
+
+
+def choose_slot_squash(r1: SchedRequest, running: Mapping[str | None, Sequence[SchedRequest | None]],
+                       now: float, config: SchedConfig,
+                       recompute_tokens: Callable[[SchedRequest], int],
+                       excluded: Collection[str | None] = ()) -> SlotSquash | None:
+    """The squash the rule calls for now for R1, if any (module docstring). `running`: adapter ->
+    its running requests, None for one the scheduler does not know (that adapter is not squashed);
+    `excluded`: adapters that may not be squashed (one with a chunked prefill in progress). The
+    caller has checked that every slot is taken and R1 needs a new one. Modifies nothing."""
+    known = {a: [r for r in reqs if r is not None] for a, reqs in running.items()}
+    wait = slot_free_in_s(known, now, config.timing)
+    age = now - r1.arrival
+    slo = config.ttft_slo_s
+    if age + wait <= slo and age < STALE_SHARE * slo:
+        return None
+    best: tuple[tuple[int, int], str | None, list[SchedRequest]] | None = None
+    for adapter, reqs in running.items():
+        if adapter in excluded or adapter == r1.adapter or not reqs:
+            continue
+        if any(r is None or r.num_squashes >= config.max_squashes for r in reqs):
+            continue
+        cost = sum(recompute_tokens(r) for r in reqs)
+        if cost * config.timing.prefill_s_per_token >= slo:
+            continue
+        key = (cost, len(reqs))
+        if best is None or key < best[0]:
+            best = (key, adapter, reqs)
+    if best is None:
+        return None
+    return SlotSquash(best[1], tuple(best[2]), r1, wait)

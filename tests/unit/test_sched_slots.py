@@ -1,0 +1,213 @@
+"""Adapter slots (the engine's cap on distinct adapters per batch) in the multi-queue scheduler:
+admission passes over a request that needs a slot none is left for without blocking its queue;
+the slot squash retracts the adapter cheapest to recompute for the oldest request about to miss
+its TTFT SLO, reserves the freed slot for it, and is bounded (never for a resumed request, never
+twice for one victim, one at a time, never when recomputing costs more than the SLO).
+
+Timing: 1 ms per prompt token and 0.1 s per output token; TTFT SLO 2 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sgl_multilora.sched import (
+    MultiQueueScheduler,
+    OutputLengthPredictor,
+    SchedConfig,
+    SchedRequest,
+    TimingModel,
+    WrsNormalizer,
+)
+from sgl_multilora.sched.slots import AdapterSlots, choose_slot_squash, slot_free_in_s
+
+TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
+
+
+def make(max_squashes=1) -> MultiQueueScheduler:
+    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, ttft_slo_s=2.0,
+                      max_squashes=max_squashes, initial_norm=WrsNormalizer(1000, 1000, 8))
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
+    s.set_plan([], [100_000])
+    return s
+
+
+def req(rid, adapter, in_len=10, out_len=100, arrival=0.0) -> SchedRequest:
+    return SchedRequest(rid, adapter, in_len, rank=8, max_new_tokens=out_len, arrival=arrival)
+
+
+def rids(requests):
+    return [r.rid for r in requests]
+
+
+def running_map(s: MultiQueueScheduler) -> dict:
+    out: dict = {}
+    for r in s.running.values():
+        out.setdefault(r.adapter, []).append(r.rid)
+    return out
+
+
+def recompute(r: SchedRequest) -> int:
+    return r.in_len + 5  # prompt plus five streamed tokens
+
+
+def test_a_request_needing_a_slot_none_is_left_for_is_passed_over_not_blocking_its_queue():
+    s = make()
+    for rid, adapter in [("a1", "a"), ("c1", "c"), ("a2", "a"), ("b1", "b"), ("base", None)]:
+        s.add(req(rid, adapter))
+    # two slots, "a" running: c1 takes the last one; a2 joins "a"; b1 and the base request are passed over
+    batch = s.build_batch(0.0, running_adapters={"a"}, max_adapters=2)
+    assert rids(batch) == ["a1", "c1", "a2"]
+    assert s.stats().counts["slot_skips"] == 2
+    # the base model counts as an adapter, as SGLang counts it
+    s2 = make()
+    s2.add(req("base", None))
+    s2.add(req("a1", "a"))
+    assert rids(s2.build_batch(0.0, running_adapters={None}, max_adapters=1)) == ["base"]
+    # no cap given: every request goes in (the simulator's engine has none)
+    s3 = make()
+    for i, adapter in enumerate("abcde"):
+        s3.add(req(f"r{i}", adapter))
+    assert len(s3.build_batch(0.0)) == 5
+    s.check_invariants()
+
+
+def test_overdue_requests_pass_over_a_full_cap_too():
+    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, overdue_s=1.0,
+                      initial_norm=WrsNormalizer(1000, 1000, 8))
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
+    s.set_plan([], [100_000])
+    s.add(req("b1", "b", arrival=0.0))
+    s.add(req("a1", "a", arrival=0.5))
+    batch = s.build_batch(5.0, running_adapters={"a"}, max_adapters=1)
+    assert rids(batch) == ["a1"] and s.stats().counts["overdue"] == 1
+
+
+def test_story_slot_squash_picks_the_cheapest_adapter_and_reserves_the_slot():
+    s = make()
+    # three adapters fill the cap of 3; each decodes 100 tokens (10 s) from t=0
+    s.add(req("a1", "a", in_len=500))
+    s.add(req("a2", "a", in_len=10))
+    s.add(req("b1", "b", in_len=200))
+    s.add(req("c1", "c", in_len=50))
+    s.add(req("c2", "c", in_len=50))
+    assert len(s.build_batch(0.0, running_adapters=set(), max_adapters=3)) == 5
+    s.add(req("d1", "d", in_len=10, out_len=5, arrival=0.1))
+    s.add(req("e1", "e", in_len=10, out_len=5, arrival=0.2))
+    running = running_map(s)
+    assert slot_free_in_s({a: [s.running[r] for r in rs] for a, rs in running.items()}, 0.1, TIMING) \
+        == pytest.approx(9.95)  # c's requests: 50 prompt + 100 output tokens from t=0
+
+    # d1 just arrived, but a slot frees only in about 10 s: it would miss its 2 s SLO
+    sq = s.slot_squash(0.1, running, 3, recompute)
+    assert sq is not None and sq.beneficiary.rid == "d1"
+    # recompute cost: a 525, b 205, c 110: c goes, both its requests
+    assert sq.adapter == "c" and rids(sq.victims) == ["c1", "c2"]
+    assert s.running["c1"].rid == "c1" and "c1" not in s.queues  # nothing changed yet
+    s.commit_slot_squash(sq)
+    assert "c1" in s.queues and "c2" in s.queues and s.slot_reserved_for == "d1"
+    assert all(s.queues.get(r).resumed and s.queues.get(r).num_squashes == 1 for r in ("c1", "c2"))
+    s.check_invariants()
+
+    # no second squash while d1 waits for its slot, even with every slot taken again
+    running = running_map(s)
+    assert s.slot_squash(0.2, {**running, "z": ["a1"]}, 3, recompute) is None
+    # the freed slot is d1's: c1 and c2 (older) and e1 must not take it
+    batch = s.build_batch(0.2, running_adapters=set(running), max_adapters=3)
+    assert rids(batch) == ["d1"] and s.slot_reserved_for is None
+    assert s.stats().counts["slot_squashes"] == 1
+    s.check_invariants()
+
+
+def test_no_squash_while_a_slot_frees_in_time_and_one_once_half_the_slo_is_spent():
+    s = make()
+    s.add(req("a1", "a", out_len=5))  # finishes in 0.51 s
+    s.add(req("b1", "b", out_len=100))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=2)
+    s.add(req("c1", "c", arrival=0.0))
+    assert s.slot_squash(0.0, running_map(s), 2, recompute) is None  # 0 + 0.51 s <= 2 s
+    # the prediction was wrong: a1 is still running at 1 s, half the SLO: squash now
+    sq = s.slot_squash(1.0, running_map(s), 2, recompute)
+    assert sq is not None and sq.beneficiary.rid == "c1" and sq.adapter == "a"
+    # a free slot: no squash at all
+    assert s.slot_squash(1.0, {"a": ["a1"]}, 2, recompute) is None
+
+
+def test_squash_bounds_resumed_beneficiaries_repeat_victims_excluded_and_costly_adapters():
+    s = make()
+    s.add(req("a1", "a"))
+    s.add(req("b1", "b"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=2)
+    s.add(req("c1", "c", arrival=0.0))
+    sq = s.slot_squash(1.5, running_map(s), 2, recompute)
+    assert sq.adapter in ("a", "b")
+    # excluded (a chunked prefill in progress): the other one goes
+    sq2 = s.slot_squash(1.5, running_map(s), 2, recompute, excluded={sq.adapter})
+    assert sq2.adapter == ({"a", "b"} - {sq.adapter}).pop()
+    # recomputing costs more than the SLO (2 s at 1 ms per token): not squashed
+    assert s.slot_squash(1.5, running_map(s), 2, lambda r: 2500) is None
+    # an adapter whose request was squashed before is not squashed again
+    s.running["a1"].num_squashes = 1
+    sq3 = s.slot_squash(1.5, running_map(s), 2, recompute)
+    assert sq3.adapter == "b"
+    s.running["b1"].num_squashes = 1
+    assert s.slot_squash(1.5, running_map(s), 2, recompute) is None
+    # an adapter with a request the scheduler does not know is not squashed
+    s.running["b1"].num_squashes = 0
+    assert s.slot_squash(1.5, {"a": ["a1"], "b": ["b1", "ghost"]}, 2, recompute) is None
+    # a resumed request is never a beneficiary: its first token is out
+    s.queues.get("c1").resumed = True
+    assert s.slot_squash(1.5, running_map(s), 2, recompute) is None
+
+
+def test_the_beneficiary_is_the_oldest_resident_request_needing_a_slot():
+    s = make()
+    s.add(req("a1", "a"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=1)
+    s.add(req("a2", "a", arrival=0.0))  # its adapter runs: needs no slot
+    s.add(req("x1", "x", arrival=0.1))  # not resident
+    s.add(req("y1", "y", arrival=0.2))
+    sq = s.slot_squash(1.5, running_map(s), 1, recompute, is_resident=lambda a: a != "x")
+    assert sq.beneficiary.rid == "y1" and sq.adapter == "a"
+
+
+def test_a_removed_beneficiary_releases_its_reservation_and_pushed_back_requests_are_not_resumed():
+    s = make()
+    s.add(req("a1", "a"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=1)
+    s.add(req("b1", "b"))
+    s.add(req("c1", "c", arrival=0.1))
+    sq = s.slot_squash(1.5, running_map(s), 1, recompute)
+    s.commit_slot_squash(sq)
+    assert s.slot_reserved_for == "b1"
+    s.remove("b1")  # aborted while it waited
+    assert s.slot_reserved_for is None
+    batch = s.build_batch(1.6, running_adapters=set(), max_adapters=1)
+    assert rids(batch) == ["a1"]  # the oldest again, now that nothing is reserved
+    s.requeue("a1", pushed_back=True)
+    assert s.queues.get("a1").resumed  # squashed before: a push-back does not make it fresh
+    fresh = make()
+    fresh.add(req("p", "p"))
+    fresh.build_batch(0.0)
+    fresh.requeue("p", pushed_back=True)  # planned, never run: its first token is still to come
+    assert not fresh.queues.get("p").resumed
+
+
+def test_adapter_slots_rejects_a_cap_below_one_and_counts_the_reservation():
+    with pytest.raises(ValueError, match="cap"):
+        AdapterSlots(set(), 0)
+    slots = AdapterSlots({"a"}, 2, reserved="r1")
+    assert not slots.has_slot(req("x", "b")) and slots.has_slot(req("r1", "b"))
+    assert slots.has_slot(req("y", "a"))  # its adapter runs
+    slots.take(req("r1", "b"))
+    assert slots.reserved is None and slots.in_batch == {"a", "b"}
+
+
+def test_choose_slot_squash_alone_on_unknown_requests():
+    cfg = SchedConfig(total_tokens=10, timing=TIMING, ttft_slo_s=2.0)
+    r1 = req("r1", "z", arrival=0.0)
+    # every running request unknown: nothing predicts a free slot (0 s), no victim is known
+    assert choose_slot_squash(r1, {"a": [None]}, 0.0, cfg, recompute) is None
+    assert choose_slot_squash(r1, {"a": [None]}, 1.0, cfg, recompute) is None
