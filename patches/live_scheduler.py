@@ -38,8 +38,9 @@ loader then frees one more run itself, `Swapper.load`); a squash that did not he
 
 Slot squashes (`sgl_multilora/sched/slots.py`), before each pass with LoRA on: when every adapter slot of the batch
 is taken and the oldest queued request that needs a new one would miss its TTFT SLO waiting, the running requests
-of the adapter cheapest to recompute (prompt + output tokens) are retracted the same way, and the freed slot is
-reserved for that request. Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters
+of the adapter cheapest to recompute (prompt + output tokens) are retracted, and the freed slot is reserved for that
+request. Their KV stays in the tree (memory is not what they are retracted for), so resuming recomputes next to
+nothing unless it was evicted meanwhile. Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters
 are not modelled (with pinned adapters its check can refuse what the plan admits; the refused request is pushed
 back and keeps its place).
 """
@@ -83,7 +84,6 @@ class LiveScheduler:
         self._planned_order: list[str] = []
         self.num_requeued = 0
         self.num_squashed = 0
-        self.num_slot_squashed = 0
         self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
         self._measured: dict[str, float] = {}  # "prefill_s_per_token" / "decode_s_per_token" -> EMA
 
@@ -177,10 +177,20 @@ class LiveScheduler:
             return []
         return self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
 
-    def _retract(self, scheduler, running_batch, victims: list) -> None:
-        """SGLang's retraction of running requests, without evicting for the others' decode."""
-        for req in victims:
-            running_batch.release_req(running_batch.reqs.index(req), 0, offload_kv=False)
+    def _retract(self, scheduler, running_batch, victims: list, keep_kv: bool = False) -> None:
+        """SGLang's retraction of running requests, without evicting for the others' decode. `keep_kv`: their KV
+        (prompt and the tokens streamed so far) goes into the tree first, as a finished request's does, so that a
+        resumed request matches it and recomputes next to nothing (evictable like any cached KV); SGLang's own
+        retraction drops it, which a memory squash wants (the room is the point)."""
+        if keep_kv:
+            from sglang.srt.mem_cache.common import release_kv_cache
+
+            for req in victims:
+                release_kv_cache(req, running_batch.tree_cache, checkpoint=True)
+                req.reset_for_retract()
+        else:
+            for req in victims:
+                running_batch.release_req(running_batch.reqs.index(req), 0, offload_kv=False)
         running_batch.filter_batch(reqs_to_exclude=victims)
         running_batch.batch_is_full = False
 
@@ -249,11 +259,10 @@ class LiveScheduler:
         victims = [by_rid[r.rid] for r in squash.victims]
         if not all(req.kv.holds_kv for req in victims):
             return []  # one of them is between states: the rule is asked again next pass
-        self._retract(scheduler, running_batch, victims)
+        self._retract(scheduler, running_batch, victims, keep_kv=True)
         self.mq.commit_slot_squash(squash)  # before SGLang queues them, so `on_arrival` finds them queued
         for req in victims:
             scheduler._add_request_to_queue(req, is_retracted=True)
-        self.num_slot_squashed += len(victims)
         logger.info("sgl_multilora: squashed %d request(s) of adapter %s for request %s's adapter slot "
                     "(a slot would have freed in %.1f s)", len(victims), squash.adapter or "base",
                     squash.beneficiary.rid, squash.wait_s)
@@ -280,6 +289,6 @@ class LiveScheduler:
             "num_queued": s.num_queued, "num_running": s.num_running, "quotas_feasible": s.quotas_feasible,
             "promoted": list(s.promoted), "counts": s.counts, "predictor": dataclasses.asdict(s.predictor),
             "requeued_by_engine": self.num_requeued, "squashed": self.num_squashed,
-            "slot_squashed": self.num_slot_squashed, "slot_reserved_for": self.mq.slot_reserved_for,
+            "slot_squashed": s.counts["slot_squashed"], "slot_reserved_for": self.mq.slot_reserved_for,
             "timing": dataclasses.asdict(self.timing()),
         }

@@ -8,10 +8,16 @@ up (idle ones sleep); each repeat replays the workload at every rate on every ar
 repeat, each replay on a flushed cache. Per arm and rate: TTFT mean / P50 / P99 and the share of requests within
 the TTFT SLO (median and spread over repeats); ratios multiqueue / fcfs per repeat.
 
-A fourth arm runs multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first).
+Baselines at their best: `fcfs-drain` is fcfs with SGLang's LoRA drainer (`--lora-drain-wait-threshold` at half the
+SLO: an adapter waiting that long for a batch slot stops new admissions of the running adapter closest to done),
+the stock answer to the per-batch adapter cap that the multi-queue's slot squash also answers. Optional arm
+`multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first).
+
+Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
+(what a squash costs the requests it retracts shows there, not in TTFT).
 
 Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
-           [--out eval/results/multiqueue_live.jsonl]
+           [--arms fcfs,fcfs-drain,lpm,multiqueue] [--out eval/results/multiqueue_live.jsonl]
 """
 
 from __future__ import annotations
@@ -55,12 +61,19 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--pool-tokens", type=int, default=12000)
     parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO (also the scheduler's quota SLO)")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8, help="SGLang's cap, every arm alike")
+    parser.add_argument("--arms", default="fcfs,fcfs-drain,lpm,multiqueue", help="comma-separated")
     parser.add_argument("--time-scales", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
     args = parser.parse_args()
-    arms = {**ARMS, "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"]}
+    known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
+             "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"]}
+    unknown = [a for a in args.arms.split(",") if a not in known]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")
+    arms = {a: known[a] for a in args.arms.split(",")}
 
     from sgl_multilora.embedded import ensure_embedded_model
 
@@ -70,7 +83,8 @@ def main() -> None:
     workload = create_workload("heterogeneous", seed=args.seed, **params)
     adapters_dir = make_adapters(model, workload, CACHE / f"heterogeneous-{args.num_adapters}")
     max_rank = max(a.rank for a in workload.adapters)
-    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", "8", "--max-lora-rank",
+    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
+              "--max-lora-rank",
               str(max_rank), "--radix-cache-backend", "multilora", "--multilora-ttft-slo-s", str(args.slo_s),
               "--multilora-requeue-s", "10"]
     log_dir = REPO / ".cache" / "bench_logs"
@@ -85,6 +99,7 @@ def main() -> None:
         setup = {"workload": "heterogeneous", "params": params, "num_requests": len(workload.requests),
                  "pool_tokens": args.pool_tokens, "slo_s": args.slo_s, "time_scales": scales,
                  "repeats": args.repeats, "seed": args.seed, "arms": arms, "max_lora_rank": max_rank,
+                 "max_loras_per_batch": args.max_loras_per_batch,
                  "offered_rate": workload.offered_rate}
         device = {"processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                   "load_avg_start": list(os.getloadavg())}
@@ -104,7 +119,9 @@ def main() -> None:
                                      "rate_req_s": workload.offered_rate * scale, **summarize(results),
                                      "within_slo": within_slo(results, args.slo_s)})
                         bar.update(1)
-        stats = requests.get(servers["multiqueue"].url + "/multilora/stats", timeout=60).json()["memory"][0]
+        ours = next((a for a in names if a.startswith("multiqueue")), None)
+        stats = {} if ours is None else \
+            requests.get(servers[ours].url + "/multilora/stats", timeout=60).json()["memory"][0]
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
                   "runs": runs, "multiqueue_stats_at_end": stats.get("scheduler")}
@@ -119,13 +136,20 @@ def report(record: dict) -> str:
     lines = [f"# Multi-queue admission vs SGLang's fcfs and lpm, live CPU server ({record['date'][:10]})", "",
              f"Workload heterogeneous {s['params']} ({s['num_requests']} requests, offered "
              f"{s['offered_rate']:.2f} req/s at time scale 1); every arm the same build with "
-             f"`--radix-cache-backend multilora`, {s['pool_tokens']} token slots, max rank {s['max_lora_rank']}; "
-             f"TTFT SLO {s['slo_s']} s; {s['repeats']} repeats, arms rotating. Machine: {record['device']}.", "",
-             "| rate (req/s) | arm | mean TTFT s | P50 TTFT s (min-max) | P99 TTFT s (min-max) | within SLO | failed |",
-             "|---|---|---|---|---|---|---|"]
+             f"`--radix-cache-backend multilora`, {s['pool_tokens']} token slots, max rank {s['max_lora_rank']}, "
+             f"`--max-loras-per-batch {s.get('max_loras_per_batch', 8)}`; TTFT SLO {s['slo_s']} s; arms "
+             f"{ {a: ' '.join(f) for a, f in s['arms'].items()} }; {s['repeats']} repeats, arms rotating. "
+             f"Machine: {record['device']}.", "",
+             "| rate (req/s) | arm | mean TTFT s | P50 TTFT s (min-max) | P99 TTFT s (min-max) | within SLO | "
+             "SLO goodput req/s | mean E2E s | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(arm, scale):
+        return [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
+
     for scale in s["time_scales"]:
         for arm in s["arms"]:
-            rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
+            rs = cell(arm, scale)
             if not rs:
                 continue
 
@@ -136,20 +160,32 @@ def report(record: dict) -> str:
                 f"| {rs[0]['rate_req_s']:.2f} | {arm} | {med('mean_ttft_s'):.2f} | {med('p50_ttft_s'):.2f} "
                 f"({min(r['p50_ttft_s'] for r in rs):.2f}-{max(r['p50_ttft_s'] for r in rs):.2f}) | "
                 f"{med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-{max(r['p99_ttft_s'] for r in rs):.2f})"
-                f" | {med('within_slo'):.2f} | {sum(r['num_failed'] for r in rs)} |")
-    for ours in [a for a in s["arms"] if a.startswith("multiqueue")]:
-        lines += ["", f"Ratios {ours} / fcfs per repeat (median, min-max):", ""]
-        for scale in s["time_scales"]:
-            ratios = {"P50": [], "P99": []}
-            for rep in range(s["repeats"]):
-                m = [r for r in runs if r["arm"] == ours and r["repeat"] == rep and r["time_scale"] == scale]
-                f = [r for r in runs if r["arm"] == "fcfs" and r["repeat"] == rep and r["time_scale"] == scale]
-                if m and f and m[0].get("num_ok") and f[0].get("num_ok"):
-                    ratios["P50"].append(m[0]["p50_ttft_s"] / f[0]["p50_ttft_s"])
-                    ratios["P99"].append(m[0]["p99_ttft_s"] / f[0]["p99_ttft_s"])
-            if ratios["P50"]:
-                lines.append("- time scale {:g}: ".format(scale) + ", ".join(
-                    f"{k} TTFT {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()))
+                f" | {med('within_slo'):.2f} | {statistics.median(r['within_slo'] * r['rate_req_s'] for r in rs):.2f}"
+                f" | {med('mean_e2e_s'):.2f} | {sum(r['num_failed'] for r in rs)} |")
+    ours_arms = [a for a in s["arms"] if a.startswith("multiqueue")]
+    for ours in ours_arms:
+        for base in [a for a in s["arms"] if a not in ours_arms]:
+            lines += ["", f"Ratios {ours} / {base} per repeat (median, min-max):", ""]
+            for scale in s["time_scales"]:
+                ratios = {"P50 TTFT": [], "P99 TTFT": [], "SLO goodput": []}
+                for rep in range(s["repeats"]):
+                    m = [r for r in cell(ours, scale) if r["repeat"] == rep]
+                    b = [r for r in cell(base, scale) if r["repeat"] == rep]
+                    if m and b:
+                        ratios["P50 TTFT"].append(m[0]["p50_ttft_s"] / b[0]["p50_ttft_s"])
+                        ratios["P99 TTFT"].append(m[0]["p99_ttft_s"] / b[0]["p99_ttft_s"])
+                        if b[0]["within_slo"] > 0:
+                            ratios["SLO goodput"].append(m[0]["within_slo"] / b[0]["within_slo"])
+                if ratios["P50 TTFT"]:
+                    lines.append("- time scale {:g}: ".format(scale) + ", ".join(
+                        f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items() if v))
+    stats = record.get("multiqueue_stats_at_end") or {}
+    if stats:
+        counts = stats.get("counts", {})
+        lines += ["", f"{ours_arms[0]}'s scheduler over the whole run: slot squashes {counts.get('slot_squashes')} "
+                  f"({counts.get('slot_squashed')} requests retracted), memory squashes {counts.get('squashes')}, "
+                  f"bypasses {counts.get('bypasses')}, overdue admissions {counts.get('overdue')}, "
+                  f"predictor {stats.get('predictor')}."]
     return "\n".join(lines) + "\n"
 
 

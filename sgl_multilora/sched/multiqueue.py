@@ -81,7 +81,7 @@ class MultiQueueScheduler:
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
         self._slot_reserved: str | None = None  # the rid a slot squash freed a slot for
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
-                       "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_skips": 0}
+                       "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0, "slot_skips": 0}
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -121,7 +121,8 @@ class MultiQueueScheduler:
             self.predictor.observe(r.adapter, r.in_len, out_len, r.pred_out_len)
         return r
 
-    def requeue(self, rid: str, squash: bool = False, pushed_back: bool = False) -> SchedRequest:
+    def requeue(self, rid: str, squash: bool = False, pushed_back: bool = False, *,
+                slot_squash: bool = False) -> SchedRequest:
         """A running request goes back to its arrival position (squashed, retracted by the engine,
         or `pushed_back`: planned by the last `build_batch` but not taken by the engine, whose own
         limits, such as a cap on running requests, the plan does not see) and its tokens return.
@@ -132,9 +133,9 @@ class MultiQueueScheduler:
         r = self._pop_running(rid)
         r.admitted_at = None
         r.resumed = r.resumed or not pushed_back
-        if squash:
+        if squash or slot_squash:
             r.num_squashes += 1
-            self.counts["squashes"] += 1
+            self.counts["slot_squashed" if slot_squash else "squashes"] += 1
         q = self.plan.route(r.wrs)
         self.queues.push_in_order(r, q)
         if pushed_back:
@@ -320,7 +321,7 @@ class MultiQueueScheduler:
         """After the engine retracted `squash.victims`: each goes back to its arrival position
         (`requeue(squash=True)`), and the freed slot is reserved for the beneficiary."""
         for r in squash.victims:
-            self.requeue(r.rid, squash=True)
+            self.requeue(r.rid, slot_squash=True)
         self._slot_reserved = squash.beneficiary.rid
         self.counts["slot_squashes"] += 1
 

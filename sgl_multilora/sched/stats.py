@@ -37,6 +37,7 @@ class SchedStats:
     promoted: tuple[int, ...]
     """Queues going first because their head kept missing the batch budget."""
     counts: dict[str, int]
-    """Since start: admitted, finished, bypasses, squashes (adapter memory), slot_squashes,
+    """Since start: admitted, finished, bypasses, squashes (requests retracted for adapter
+    memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
     count in many batches), refreshes, pushed_back, overdue."""

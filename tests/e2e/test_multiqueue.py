@@ -133,8 +133,8 @@ def test_a_request_blocked_by_the_adapter_slot_cap_gets_a_slot_squashed_for_it(s
     """Four long decodes hold the four adapter slots (`--max-loras-per-batch 4`: the base model, caps, json,
     bullets); a short request on a fifth adapter would wait for one of them to finish. Once it has waited half its
     TTFT SLO, the running requests of the adapter cheapest to recompute are retracted and the slot is its: it is
-    answered before the long decodes end, one slot squash is counted, the retracted request resumes by recomputing,
-    and every output, the retracted one's included, equals PEFT's."""
+    answered before the long decodes end, one slot squash is counted, the retracted request resumes (from its KV kept in
+    the tree), and every output, the retracted one's included, equals PEFT's."""
     import threading
     import time
 
@@ -182,6 +182,14 @@ def test_a_request_blocked_by_the_adapter_slot_cap_gets_a_slot_squashed_for_it(s
     short_done = done["short"][0]
     assert short_done < min(done[f"long{i}"][0] for i in range(len(holders))), \
         f"the short request ({short_done - sent:.1f} s) waited for a long decode to end"
+    # the retracted request's KV stayed in the tree: its resuming prefill found its whole prompt cached (the prompts
+    # share only the chat template's system prefix, which is shorter than any of them)
+    import re
+
+    log = server.log_tail(2_000_000)
+    after_squash = log[log.rindex("for request " + done["short"][1]["meta_info"]["id"]):]
+    cached = [int(n) for n in re.findall(r"Prefill batch, .*?#cached-token: (\d+)", after_squash)]
+    assert max(cached, default=0) >= min(len(ids) for _, ids in holders), cached
     oracle.prefetch([(e and e["path"], ids, long_new) for e, ids in holders] + [(short["path"], short_ids, 8)],
                     ignore_eos=True)
     for i, (e, ids) in enumerate(holders):

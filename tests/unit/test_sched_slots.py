@@ -117,7 +117,8 @@ def test_story_slot_squash_picks_the_cheapest_adapter_and_reserves_the_slot():
     # the freed slot is d1's: c1 and c2 (older) and e1 must not take it
     batch = s.build_batch(0.2, running_adapters=set(running), max_adapters=3)
     assert rids(batch) == ["d1"] and s.slot_reserved_for is None
-    assert s.stats().counts["slot_squashes"] == 1
+    counts = s.stats().counts
+    assert counts["slot_squashes"] == 1 and counts["slot_squashed"] == 2 and counts["squashes"] == 0
     s.check_invariants()
 
 
