@@ -3,6 +3,8 @@
 Arms (both serve the same random PEFT adapters, named and ranked as the workload's, on the embedded model):
 - `ours`: `--radix-cache-backend multilora` with `--multilora-memory unified`: a pool of `--pool-tokens` token
   slots shared by adapter weights and KV, evicted and prefetched by `--policy`.
+- `ours-mq` (optional): `ours` with the multi-queue scheduler (`--multilora-scheduler multiqueue`, TTFT SLO
+  `--slo-s`): the whole stack, adapter-slot squashes included; next to `ours` it shows what the scheduler adds.
 - `stock`: SGLang's own prefix cache and SGLang's memory split: slot buffers for `--max-loras-per-batch` adapters
   of `--max-lora-rank` over the adapters' target modules are taken off the same budget, and the KV pool gets the
   rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
@@ -114,7 +116,8 @@ def main() -> None:
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
     parser.add_argument("--server-args", default="",
                         help="more SGLang flags for every arm alike (e.g. '--lora-drain-wait-threshold 2')")
-    parser.add_argument("--arms", default="ours,stock", help="which arms to run (comma-separated)")
+    parser.add_argument("--arms", default="ours,stock", help="which arms to run (comma-separated): ours, ours-mq, stock")
+    parser.add_argument("--slo-s", type=float, default=2.0, help="the ours-mq arm's --multilora-ttft-slo-s")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
     parser.add_argument("--plot-only", action="store_true",
                         help="only redraw the TTFT plot (.png next to --out) from its request log")
@@ -139,11 +142,16 @@ def main() -> None:
         raise SystemExit(f"SGLang's slot buffers take {buffer_tokens} token slots, more than --pool-tokens")
     common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
               "--max-lora-rank", str(max_rank), *shlex.split(args.server_args)]
+    ours = [*common, "--radix-cache-backend", "multilora", "--multilora-eviction-policy", args.policy]
     arms = {
-        "ours": (args.pool_tokens, [*common, "--radix-cache-backend", "multilora", "--multilora-eviction-policy",
-                                    args.policy]),
+        "ours": (args.pool_tokens, ours),
+        "ours-mq": (args.pool_tokens, [*ours, "--multilora-scheduler", "multiqueue", "--multilora-ttft-slo-s",
+                                       f"{args.slo_s:g}"]),
         "stock": (args.pool_tokens - buffer_tokens, common),
     }
+    unknown = [a for a in args.arms.split(",") if a not in arms]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {sorted(arms)}")
     arms = {name: arms[name] for name in args.arms.split(",")}
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +168,7 @@ def main() -> None:
                  "stock_kv_tokens": args.pool_tokens - buffer_tokens, "stock_buffer_tokens": buffer_tokens,
                  "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": max_rank,
                  "policy": args.policy, "server_args": args.server_args, "time_scales": scales,
+                 "arms": {name: extra[len(common):] for name, (_, extra) in arms.items()}, "slo_s": args.slo_s,
                  "repeats": args.repeats, "seed": args.seed,
                  "adapter_bytes_total": sum(NUM_LAYERS * a.rank * sum(ELEMS_PER_RANK[m] for m in a.target_modules)
                                             * 4 for a in workload.adapters)}
@@ -178,12 +187,14 @@ def main() -> None:
                         results = replay(workload, [Target(name, servers[name].url)], raw, f"rep{rep}", served,
                                          time_scale=scale, timeout_s=900)
                         pool = None
-                        if name == "ours":
+                        if name.startswith("ours"):
                             mem = requests.get(servers[name].url + "/multilora/stats", timeout=60).json()["memory"]
                             unified = mem[0].get("unified_pool", {})
                             pool = {**unified.get("swapper", {}),
                                     **{k: unified.get(k) for k in ("skipped_admissions", "starvation_holds",
                                                                    "budget_stops", "lora_batch_skips")}}
+                            if mem[0].get("scheduler"):
+                                pool["scheduler_counts"] = mem[0]["scheduler"]["counts"]
                         runs.append({"arm": name, "repeat": rep, "time_scale": scale,
                                      "rate_req_s": workload.offered_rate * scale, **summarize(results),
                                      "swapper": pool})
@@ -213,7 +224,7 @@ def plot_ttft(raw: Path, png: Path) -> Path:
             ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
     fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
     for ax, rate in zip(axes[0], sorted(ttfts)):
-        for arm, color in (("stock", "tab:gray"), ("ours", "tab:blue")):
+        for arm, color in (("stock", "tab:gray"), ("ours", "tab:blue"), ("ours-mq", "tab:green")):
             xs = sorted(ttfts[rate].get(arm, []))
             if xs:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=color,
@@ -224,7 +235,8 @@ def plot_ttft(raw: Path, png: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     axes[0][0].set_ylabel("share of requests")
-    fig.suptitle("TTFT: unified pool (ours) vs SGLang's memory layout (stock), same memory")
+    fig.suptitle("TTFT: unified pool (ours; ours-mq with the multi-queue scheduler) vs SGLang's memory layout "
+                 "(stock), same memory", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -238,12 +250,13 @@ def report(record: dict) -> str:
              f"token slots in all (stock: {s['stock_buffer_tokens']} to LoRA slot buffers of "
              f"{s['max_loras_per_batch']} x rank {s['max_lora_rank']}, {s['stock_kv_tokens']} to KV); adapters "
              f"{s['adapter_bytes_total'] / 2**20:.0f} MiB = {s['adapter_bytes_total'] / 46080:.0f} slots; policy "
-             f"{s['policy']}; {'both arms ' + repr(s['server_args']) + '; ' if s.get('server_args') else ''}"
+             f"{s['policy']}; {'every arm ' + repr(s['server_args']) + '; ' if s.get('server_args') else ''}"
              f"{s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
              "| rate (req/s) | arm | mean TTFT s (min-max) | P50 TTFT s | P99 TTFT s (min-max) | cached share | "
              "failed |", "|---|---|---|---|---|---|---|"]
+    arms = [a for a in ("stock", "ours", "ours-mq") if any(r["arm"] == a for r in runs)]
     for scale in s["time_scales"]:
-        for arm in ("stock", "ours"):
+        for arm in arms:
             rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
             if not rs:
                 continue
@@ -257,25 +270,28 @@ def report(record: dict) -> str:
                 f"{med('p50_ttft_s'):.2f} | {med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-"
                 f"{max(r['p99_ttft_s'] for r in rs):.2f}) | {med('cached_token_share'):.2f} | "
                 f"{sum(r['num_failed'] for r in rs)} |")
-    lines += ["", "Ratios ours / stock per repeat (median, min-max):", ""]
-    for scale in s["time_scales"]:
-        pairs = []
-        for rep in range(s["repeats"]):
-            o = [r for r in runs if r["arm"] == "ours" and r["repeat"] == rep and r["time_scale"] == scale]
-            k = [r for r in runs if r["arm"] == "stock" and r["repeat"] == rep and r["time_scale"] == scale]
-            if o and k and o[0].get("num_ok") and k[0].get("num_ok"):
-                pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"], o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
-        if pairs:
-            mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
-            lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
-                         f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
-                         f"({min(p99_r):.2f}-{max(p99_r):.2f})")
-    last = [r["swapper"] for r in runs if r["arm"] == "ours" and r.get("swapper")]
-    if last and "lora_batch_skips" in last[-1]:
-        keys = ("adapter_loads", "adapter_evictions", "prefetches", "skipped_admissions", "starvation_holds",
-                "budget_stops", "lora_batch_skips")
-        lines += ["", "Ours' pool and admission counters over the whole run: "
-                  + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
+    for ours in [a for a in arms if a != "stock"]:
+        lines += ["", f"Ratios {ours} / stock per repeat (median, min-max):", ""]
+        for scale in s["time_scales"]:
+            pairs = []
+            for rep in range(s["repeats"]):
+                o = [r for r in runs if r["arm"] == ours and r["repeat"] == rep and r["time_scale"] == scale]
+                k = [r for r in runs if r["arm"] == "stock" and r["repeat"] == rep and r["time_scale"] == scale]
+                if o and k and o[0].get("num_ok") and k[0].get("num_ok"):
+                    pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"],
+                                  o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
+            if pairs:
+                mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
+                lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
+                             f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
+                             f"({min(p99_r):.2f}-{max(p99_r):.2f})")
+    for ours in [a for a in arms if a != "stock"]:
+        last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
+        if last and "lora_batch_skips" in last[-1]:
+            keys = ("adapter_loads", "adapter_evictions", "prefetches", "skipped_admissions", "starvation_holds",
+                    "budget_stops", "lora_batch_skips", "scheduler_counts")
+            lines += ["", f"{ours}'s pool and admission counters over the whole run: "
+                      + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
     if record.get("plot"):
         lines += ["", f"TTFT distribution per rate, every repeat pooled: `{record['plot']}`."]
     return "\n".join(lines) + "\n"

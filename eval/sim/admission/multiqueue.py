@@ -13,6 +13,10 @@ request returns its quota and teaches the predictor its output length.
 Choices of the simulator, each a departure from the live hook:
 - squashes are not applied: the engine never preempts (each admitted request reserves KV for its whole prompt and
   output, engine.py), where the live hook retracts a bypassing request through SGLang's own retraction;
+- no adapter-slot cap is passed to `build_batch`: the simulated engine batches any number of distinct adapters (the
+  stock-SGLang-like system's slots bound which adapters are resident, not how many a batch holds), so the live
+  hook's slot rules (sgl_multilora/sched/slots.py) have nothing to act on here, and slot squashes, being
+  retractions, would need the preemption the engine does not have either;
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
   SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
   queue);
