@@ -41,12 +41,15 @@ def free_port() -> int:
 
 @dataclass
 class ServerHandle:
-    """A running server. `url` is its base address; `log_path` holds its stdout and stderr."""
+    """A running server. `url` is its base address; `log_path` holds its stdout and stderr. `stop_grace_s`: how long
+    `stop` lets SGLang drain after SIGTERM before it kills the process group (None: up to `stop`'s `timeout_s`;
+    SGLang notices SIGTERM on a 5-second tick, so a graceful stop takes about 5 s)."""
 
     url: str
     process: subprocess.Popen
     log_path: Path
     command: list[str] = field(default_factory=list)
+    stop_grace_s: float | None = None
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
@@ -63,7 +66,7 @@ class ServerHandle:
             return
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=timeout_s if self.stop_grace_s is None else self.stop_grace_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -127,6 +130,6 @@ def launch(
                     return handle
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
-        time.sleep(1.0)
+        time.sleep(0.25)
     handle.stop()
     raise ServerStartError(f"server not ready after {ready_timeout_s:.0f} s; log {log_path}:\n{handle.log_tail()}")

@@ -269,7 +269,7 @@ class Cluster:
                 raise ClusterError(f"{what} {handle.url} not ready after {self.ready_timeout_s:.0f} s; "
                                    f"log {handle.log_path}:\n{handle.log_tail()}")
             if pending:
-                time.sleep(1.0)
+                time.sleep(0.25)
 
     def _wait_registered(self) -> None:
         """Until smg lists every worker as ready (it registers them in the background after it listens)."""

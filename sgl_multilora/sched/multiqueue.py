@@ -23,7 +23,7 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
 - With the engine's cap on adapters per batch given (`slots`), a request that would need a new
   slot when none is left is passed over in every phase, keeping its place; a slot squash
   (slots.py: the running requests of one adapter retracted so that a request about to miss its
-  TTFT SLO gets a slot) reserves the freed slot for its beneficiary until it is admitted.
+  TTFT SLO gets a slot) reserves the freed slot for its beneficiary in the next batch.
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
   queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
   promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted. A
@@ -179,7 +179,7 @@ class MultiQueueScheduler:
         held = self._admit_overdue(ctx, batch)
         self.counts["slot_skips"] += ctx.slot_skips
         if held:
-            self._num_batches += 1
+            self._end_batch()
             return batch
         k = self.queues.num_queues
         promoted = sorted(self._promoted, key=self._promoted.__getitem__)
@@ -192,8 +192,15 @@ class MultiQueueScheduler:
                 break
             if self.queues.len_of(q):
                 self._scan(q, ctx, batch, lenders)
-        self._num_batches += 1
+        self._end_batch()
         return batch
+
+    def _end_batch(self) -> None:
+        """A slot reservation lasts one batch: the squash freed the slot right before it, so a beneficiary not
+        admitted then (its cost over the budget, its adapter evicted meanwhile) would only hold the slot from
+        everyone else; it may be squashed for again."""
+        self._slot_reserved = None
+        self._num_batches += 1
 
     def _admit_overdue(self, ctx: BatchContext, batch: list[SchedRequest]) -> bool:
         """Phase 0: overdue requests (queued `config.overdue_s` or longer), oldest first across

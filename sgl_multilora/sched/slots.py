@@ -17,14 +17,15 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
 2. Slot squash (Chameleon's squash, for slots instead of adapter memory). When every slot is taken
    and R1, the oldest queued request that needs a new slot (its adapter resident, no token of it
    produced yet), would miss its TTFT SLO waiting for one, the running requests of one adapter are
-   retracted and go back to their arrival positions, and the freed slot is reserved for R1 until
-   it is admitted. "Would miss": its wait so far plus the predicted time until some running
+   retracted and go back to their arrival positions, and the freed slot is reserved for R1 in the
+   next batch (one batch only: a beneficiary that cannot go in then, its cost over the budget or
+   its adapter evicted meanwhile, must not hold the slot from everyone else). "Would miss": its wait so far plus the predicted time until some running
    adapter's last request finishes exceeds the SLO, or it has already waited `STALE_SHARE` of the
    SLO (the prediction was wrong: an output-length predictor underestimates long decodes). The
    victim adapter is the one cheapest to recompute (the prompt and output tokens of its running
    requests), among those whose requests may all still be squashed (`max_squashes` each) and whose
    recompute takes less than the SLO at the timing model's prefill rate. Bounds: one squash at a
-   time (none while a reserved R1 waits), a request squashed at most `max_squashes` times, and a
+   time (none while a reservation is pending), a request squashed at most `max_squashes` times, and a
    retracted request is never R1 (its first token is out; its TTFT cannot be saved), so squashes
    cannot cascade or alternate.
 """

@@ -212,3 +212,21 @@ def test_choose_slot_squash_alone_on_unknown_requests():
     # every running request unknown: nothing predicts a free slot (0 s), no victim is known
     assert choose_slot_squash(r1, {"a": [None]}, 0.0, cfg, recompute) is None
     assert choose_slot_squash(r1, {"a": [None]}, 1.0, cfg, recompute) is None
+
+
+def test_a_reservation_lasts_one_batch():
+    """A beneficiary the next batch cannot take (over the budget) does not hold the freed slot any longer."""
+    s = make()
+    s.add(req("a1", "a"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=1)
+    s.add(req("big", "b", in_len=5000, arrival=0.0))
+    s.add(req("c1", "c", arrival=0.1))
+    sq = s.slot_squash(1.5, running_map(s), 1, recompute)
+    assert sq.beneficiary.rid == "big"
+    s.commit_slot_squash(sq)
+    # over the budget: nothing that needs a slot goes in while it is reserved for "big"
+    assert rids(s.build_batch(1.6, budget_tokens=1000, running_adapters=set(), max_adapters=1)) == []
+    assert s.slot_reserved_for is None
+    # the next batch: the slot is anyone's (a1, squashed, is oldest)
+    assert rids(s.build_batch(1.7, budget_tokens=1000, running_adapters=set(), max_adapters=1)) == ["a1"]
+    s.check_invariants()
