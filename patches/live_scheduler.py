@@ -40,9 +40,9 @@ Slot squashes (`sgl_multilora/sched/slots.py`), before each pass with LoRA on: w
 is taken and the oldest queued request that needs a new one would miss its TTFT SLO waiting, the running requests
 of the adapter cheapest to recompute (prompt + output tokens) are retracted, and the freed slot is reserved for that
 request. Their KV stays in the tree (memory is not what they are retracted for), so resuming recomputes next to
-nothing unless it was evicted meanwhile. Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters
-are not modelled (with pinned adapters its check can refuse what the plan admits; the refused request is pushed
-back and keeps its place).
+nothing unless it was evicted meanwhile. Not squashed: the adapter of a chunked prefill in progress. SGLang's
+pinned adapters are not modelled (with pinned adapters its check can refuse what the plan admits; the refused
+request is pushed back and keeps its place).
 """
 
 from __future__ import annotations

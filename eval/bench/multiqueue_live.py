@@ -159,7 +159,8 @@ def report(record: dict) -> str:
             lines.append(
                 f"| {rs[0]['rate_req_s']:.2f} | {arm} | {med('mean_ttft_s'):.2f} | {med('p50_ttft_s'):.2f} "
                 f"({min(r['p50_ttft_s'] for r in rs):.2f}-{max(r['p50_ttft_s'] for r in rs):.2f}) | "
-                f"{med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-{max(r['p99_ttft_s'] for r in rs):.2f})"
+                f"{med('p99_ttft_s'):.2f} "
+                f"({min(r['p99_ttft_s'] for r in rs):.2f}-{max(r['p99_ttft_s'] for r in rs):.2f})"
                 f" | {med('within_slo'):.2f} | {statistics.median(r['within_slo'] * r['rate_req_s'] for r in rs):.2f}"
                 f" | {med('mean_e2e_s'):.2f} | {sum(r['num_failed'] for r in rs)} |")
     ours_arms = [a for a in s["arms"] if a.startswith("multiqueue")]

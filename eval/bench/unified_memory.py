@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
     parser.add_argument("--server-args", default="",
                         help="more SGLang flags for every arm alike (e.g. '--lora-drain-wait-threshold 2')")
-    parser.add_argument("--arms", default="ours,stock", help="which arms to run (comma-separated): ours, ours-mq, stock")
+    parser.add_argument("--arms", default="ours,stock",
+                        help="which arms to run (comma-separated): ours, ours-mq, stock")
     parser.add_argument("--slo-s", type=float, default=2.0, help="the ours-mq arm's --multilora-ttft-slo-s")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
     parser.add_argument("--plot-only", action="store_true",

@@ -81,7 +81,8 @@ class MultiQueueScheduler:
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
         self._slot_reserved: str | None = None  # the rid a slot squash freed a slot for
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
-                       "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0, "slot_skips": 0}
+                       "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
+                       "slot_skips": 0}
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -196,9 +197,9 @@ class MultiQueueScheduler:
         return batch
 
     def _end_batch(self) -> None:
-        """A slot reservation lasts one batch: the squash freed the slot right before it, so a beneficiary not
-        admitted then (its cost over the budget, its adapter evicted meanwhile) would only hold the slot from
-        everyone else; it may be squashed for again."""
+        """A slot reservation lasts one batch: the squash freed the slot right before it, so a
+        beneficiary not admitted then (its cost over the budget, its adapter evicted meanwhile)
+        would only hold the slot from everyone else; it may be squashed for again."""
         self._slot_reserved = None
         self._num_batches += 1
 
@@ -233,7 +234,7 @@ class MultiQueueScheduler:
                 continue
             if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
                 return True  # nothing running and still too big: it goes in, the engine has all it will have
-            if not ctx.has_slot(r):  # passed over like a loading one: slots free up as adapters drain
+            if not ctx.has_slot(r):  # passed over like a loading one: slots free as adapters drain
                 passed += 1
                 if passed > self.config.lookahead:
                     return False
@@ -315,13 +316,15 @@ class MultiQueueScheduler:
         r1 = None
         for q in range(self.queues.num_queues):
             for r in self.queues.scan(q):
-                if r.resumed or r.adapter in running_adapters or (r1 is not None and r.seq > r1.seq):
+                older = r1 is None or r.seq < r1.seq
+                if r.resumed or r.adapter in running_adapters or not older:
                     continue
                 if is_resident is None or r.adapter is None or is_resident(r.adapter):
                     r1 = r
         if r1 is None:
             return None
-        running = {a: [self._running.get(rid) for rid in rids] for a, rids in running_adapters.items()}
+        running = {a: [self._running.get(rid) for rid in rids]
+                   for a, rids in running_adapters.items()}
         return choose_slot_squash(r1, running, now, self.config, recompute_tokens, excluded)
 
     def commit_slot_squash(self, squash: SlotSquash) -> None:

@@ -18,16 +18,16 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    and R1, the oldest queued request that needs a new slot (its adapter resident, no token of it
    produced yet), would miss its TTFT SLO waiting for one, the running requests of one adapter are
    retracted and go back to their arrival positions, and the freed slot is reserved for R1 in the
-   next batch (one batch only: a beneficiary that cannot go in then, its cost over the budget or
-   its adapter evicted meanwhile, must not hold the slot from everyone else). "Would miss": its wait so far plus the predicted time until some running
-   adapter's last request finishes exceeds the SLO, or it has already waited `STALE_SHARE` of the
-   SLO (the prediction was wrong: an output-length predictor underestimates long decodes). The
-   victim adapter is the one cheapest to recompute (the prompt and output tokens of its running
-   requests), among those whose requests may all still be squashed (`max_squashes` each) and whose
-   recompute takes less than the SLO at the timing model's prefill rate. Bounds: one squash at a
-   time (none while a reservation is pending), a request squashed at most `max_squashes` times, and a
-   retracted request is never R1 (its first token is out; its TTFT cannot be saved), so squashes
-   cannot cascade or alternate.
+   next batch (one batch only: a beneficiary that cannot go in then, its cost over the budget or its
+   adapter evicted meanwhile, must not hold the slot from everyone else). "Would miss": its wait so
+   far plus the predicted time until some running adapter's last request finishes exceeds the SLO,
+   or it has already waited `STALE_SHARE` of the SLO (the prediction was wrong: an output-length
+   predictor underestimates long decodes). The victim adapter is the one cheapest to recompute (the
+   prompt and output tokens of its running requests), among those whose requests may all still be
+   squashed (`max_squashes` each) and whose recompute takes less than the SLO at the timing model's
+   prefill rate. Bounds: one squash at a time (none while a reservation is pending), a request
+   squashed at most `max_squashes` times, and a retracted request is never R1 (its first token is
+   out; its TTFT cannot be saved), so squashes cannot cascade or alternate.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class AdapterSlots:
     def has_slot(self, r: SchedRequest) -> bool:
         if r.adapter in self.in_batch:
             return True
-        free = self.cap - len(self.in_batch) - (self.reserved is not None and self.reserved != r.rid)
-        return free > 0
+        held = self.reserved is not None and self.reserved != r.rid
+        return self.cap - len(self.in_batch) - held > 0
 
     def take(self, r: SchedRequest) -> None:
         self.in_batch.add(r.adapter)
@@ -90,7 +90,8 @@ def slot_free_in_s(running: Mapping[str | None, Sequence[SchedRequest]], now: fl
                 for reqs in running.values()), default=0.0)
 
 
-def choose_slot_squash(r1: SchedRequest, running: Mapping[str | None, Sequence[SchedRequest | None]],
+def choose_slot_squash(r1: SchedRequest,
+                       running: Mapping[str | None, Sequence[SchedRequest | None]],
                        now: float, config: SchedConfig,
                        recompute_tokens: Callable[[SchedRequest], int],
                        excluded: Collection[str | None] = ()) -> SlotSquash | None:
