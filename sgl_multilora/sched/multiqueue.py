@@ -315,12 +315,14 @@ class MultiQueueScheduler:
             return None
         r1 = None
         for q in range(self.queues.num_queues):
-            for r in self.queues.scan(q):
-                older = r1 is None or r.seq < r1.seq
-                if r.resumed or r.adapter in running_adapters or not older:
+            for r in self.queues.scan(q):  # arrival order: the first that qualifies is the queue's oldest
+                if r1 is not None and r.seq > r1.seq:
+                    break
+                if r.resumed or r.adapter in running_adapters:
                     continue
                 if is_resident is None or r.adapter is None or is_resident(r.adapter):
                     r1 = r
+                    break
         if r1 is None:
             return None
         running = {a: [self._running.get(rid) for rid in rids]
