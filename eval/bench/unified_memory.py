@@ -236,8 +236,8 @@ def plot_ttft(raw: Path, png: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     axes[0][0].set_ylabel("share of requests")
-    fig.suptitle("TTFT: unified pool (ours; ours-mq with the multi-queue scheduler) vs SGLang's memory layout "
-                 "(stock), same memory", fontsize=10)
+    fig.suptitle("TTFT, same memory: unified pool (ours), with the multi-queue scheduler (ours-mq),\n"
+                 "SGLang's memory layout (stock)", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
