@@ -162,14 +162,25 @@ class LiveScheduler:
         budget = int(scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size())
         memory = process_state().memory
         is_resident = None if memory is None else memory.residency.is_resident
-        # False only when no room can be made (the bypass trigger); a load under way is not blocked
-        prefetch = None if memory is None else (
-            lambda identity: memory.ensure_resident(identity, None) or memory.residency.is_loading(identity))
+        prefetch = None if memory is None else self._prefetch
         cap = self.slot_cap(scheduler)
         adapters = None if cap is None else {self._identity(r) for r in running}
         batch = self.mq.build_batch(self.now(), budget, is_resident, prefetch, adapters, cap)
         self._planned_order = [r.rid for r in batch]
         self.planned = set(self._planned_order)
+
+    @staticmethod
+    def _prefetch(identity: str) -> bool:
+        """The plan's load of a queued request's adapter: False only when no room can be made (the bypass
+        trigger); a load under way is not blocked. An adapter made resident now is pinned until the pass ends
+        (`LiveMemory.set_running` then reads the pins off the batches), so that no later load of the same plan
+        evicts it before its request is admitted: unpinned, plans that asked for more adapters than fit evicted
+        each other's, every pass (eval/results/unified_memory_chatbot_mq.md: 426 loads against 55)."""
+        memory = process_state().memory
+        if memory.ensure_resident(identity, None):
+            memory.residency.acquire(identity)
+            return True
+        return memory.residency.is_loading(identity)
 
     def squash(self, scheduler, running_batch) -> list:
         """Retracts the running requests the squash rules take back now (module docstring); returns them."""

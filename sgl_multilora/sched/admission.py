@@ -15,7 +15,9 @@ Rules, in the order a request meets them (reference/seed-chameleon.md, 4.3 and 4
    adapter is prefetched; the paper stops the queue at it instead, idling the whole queue for a
    PCIe transfer. At most `lookahead` are passed per queue and batch, so a scan stays short. If
    the prefetch callback answers that the adapter cannot fit even after evicting every idle
-   adapter, that request is R1 for the bypass rule.
+   adapter, that request is R1 for the bypass rule. A load that completes at once (a host copy
+   on a CPU) admits the request in the same batch. With a cap on adapters per batch, no load is
+   asked for a request that has no slot in this batch (see 5).
 4. Bypass: after such an R1, a request passes only if T_wait(R1) > T_exec(it); the first that
    fails stops the queue (bypass.py defines both times).
 5. Slots: with the engine's cap on adapters per batch given (slots.py), a request that would need
@@ -73,6 +75,22 @@ class BatchContext:
             self._loadable[adapter] = self._prefetch(adapter) if self._prefetch else True
         return self._loadable[adapter]
 
+    def fetch(self, r: SchedRequest) -> bool:
+        """For a request whose adapter is not resident: asks for the adapter's load, unless no
+        slot is left for the request in this batch (an adapter loaded for a request that cannot
+        run now would evict one that can, and be evicted again before its request runs). True
+        when the adapter is resident now (a load that completes at once, as a host copy on a CPU
+        does): the request is then admitted like any other."""
+        if not self.has_slot(r):
+            return False
+        self.loadable(r.adapter)
+        self._resident[r.adapter] = self._is_resident(r.adapter)
+        return self._resident[r.adapter]
+
+    def memory_blocked(self, adapter: str) -> bool:
+        """Whether this batch asked for the adapter's load and was told it cannot fit."""
+        return not self._loadable.get(adapter, True)
+
 
 @dataclass
 class ScanResult:
@@ -116,8 +134,8 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
         if ctx.budget is not None and cost > ctx.budget:
             out.budget_stop = r
             break
-        if not ctx.resident(r.adapter):
-            if not ctx.loadable(r.adapter) and blocker is None:
+        if not ctx.resident(r.adapter) and not ctx.fetch(r):
+            if ctx.memory_blocked(r.adapter) and blocker is None:
                 blocker = r
                 t_wait = predict_wait_s(r, running, ctx.now, timing)
             passed += 1

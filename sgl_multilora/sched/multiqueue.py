@@ -226,8 +226,7 @@ class MultiQueueScheduler:
         overdue.sort(key=lambda r: r.seq)
         passed = 0
         for r in overdue:
-            if not ctx.resident(r.adapter):
-                ctx.loadable(r.adapter)
+            if not ctx.resident(r.adapter) and not ctx.fetch(r):
                 passed += 1
                 if passed > self.config.lookahead:
                     return False

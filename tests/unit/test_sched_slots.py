@@ -74,6 +74,57 @@ def test_a_request_needing_a_slot_none_is_left_for_is_passed_over_not_blocking_i
     s.check_invariants()
 
 
+class Memory:
+    """A pool holding `capacity` adapters: a load completes at once (as a host copy on a CPU does)
+    and evicts the adapter loaded longest ago. Records every load asked for."""
+
+    def __init__(self, resident, capacity, asynchronous=False):
+        self.resident, self.capacity, self.asynchronous = list(resident), capacity, asynchronous
+        self.loads: list[str] = []
+
+    def is_resident(self, adapter):
+        return adapter in self.resident
+
+    def prefetch(self, adapter):
+        self.loads.append(adapter)
+        if not self.asynchronous:
+            self.resident = (self.resident + [adapter])[-self.capacity:]
+        return True
+
+
+def test_no_adapter_is_loaded_for_a_request_that_has_no_slot_in_the_batch():
+    s = make()
+    for rid, adapter in [("a1", "a"), ("b1", "b"), ("c1", "c"), ("d1", "d")]:
+        s.add(req(rid, adapter))
+    mem = Memory(resident=["a"], capacity=3)
+    # two slots, "x" running: a1 takes the last one; b, c and d are not loaded (each would evict
+    # an adapter a request can run on, to serve a request that cannot run now)
+    batch = s.build_batch(0.0, None, mem.is_resident, mem.prefetch, {"x"}, 2)
+    assert rids(batch) == ["a1"]
+    assert mem.loads == []
+    assert s.stats().counts["slot_skips"] == 3
+
+
+def test_an_adapter_loaded_at_once_admits_its_request_in_the_same_batch():
+    s = make()
+    for rid, adapter in [("b1", "b"), ("a1", "a"), ("c1", "c")]:
+        s.add(req(rid, adapter))
+    mem = Memory(resident=["a"], capacity=3)
+    batch = s.build_batch(0.0, None, mem.is_resident, mem.prefetch, set(), 4)
+    assert rids(batch) == ["b1", "a1", "c1"]
+    assert mem.loads == ["b", "c"]
+    # a load under way (a device copy): passed over, keeping its place, admitted once resident
+    s2 = make()
+    s2.add(req("b1", "b"))
+    s2.add(req("a1", "a"))
+    mem2 = Memory(resident=["a"], capacity=3, asynchronous=True)
+    assert rids(s2.build_batch(0.0, None, mem2.is_resident, mem2.prefetch, set(), 4)) == ["a1"]
+    mem2.resident.append("b")
+    assert rids(s2.build_batch(0.1, None, mem2.is_resident, mem2.prefetch, {"a"}, 4)) == ["b1"]
+    s.check_invariants()
+    s2.check_invariants()
+
+
 def test_overdue_requests_pass_over_a_full_cap_too():
     cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, overdue_s=1.0,
                       initial_norm=WrsNormalizer(1000, 1000, 8))
