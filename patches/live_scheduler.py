@@ -40,7 +40,8 @@ Slot squashes (`sgl_multilora/sched/slots.py`), before each pass with LoRA on: w
 is taken and the oldest queued request that needs a new one would miss its TTFT SLO waiting, the running requests
 of the adapter cheapest to recompute (prompt + output tokens) are retracted, and the freed slot is reserved for that
 request. Their KV stays in the tree (memory is not what they are retracted for), so resuming recomputes next to
-nothing unless it was evicted meanwhile. Not squashed: the adapter of a chunked prefill in progress. SGLang's
+nothing unless it was evicted meanwhile. While every slot is taken, the plan loads no adapter (a load would serve a
+request that cannot run); the squash itself loads the adapter of the request it fires for, if that is not resident. Not squashed: the adapter of a chunked prefill in progress. SGLang's
 pinned adapters are not modelled (with pinned adapters its check can refuse what the plan admits; the refused
 request is pushed back and keeps its place).
 """
@@ -264,7 +265,7 @@ class LiveScheduler:
 
         squash = self.mq.slot_squash(self.now(), {a: [r.rid for r in reqs] for a, reqs in by_adapter.items()},
                                      cap, recompute, None if memory is None else memory.residency.is_resident,
-                                     excluded)
+                                     excluded, None if memory is None else self._prefetch)
         if squash is None:
             return []
         victims = [by_rid[r.rid] for r in squash.victims]

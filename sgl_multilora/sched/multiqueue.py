@@ -303,30 +303,44 @@ class MultiQueueScheduler:
     def slot_squash(self, now: float, running_adapters: Mapping[str | None, Collection[str]],
                     max_adapters: int, recompute_tokens: Callable[[SchedRequest], int],
                     is_resident: IsResident | None = None,
-                    excluded: Collection[str | None] = ()) -> SlotSquash | None:
+                    excluded: Collection[str | None] = (),
+                    request_prefetch: RequestPrefetch | None = None) -> SlotSquash | None:
         """The slot squash to apply now, if any (slots.py): `running_adapters` maps each adapter
         the engine runs (None: the base model) to its running rids, `max_adapters` is the engine's
         cap, `recompute_tokens(r)` what retracting r costs, `excluded` adapters that may not be
         squashed. None while a slot is free, while an earlier squash's beneficiary is still queued,
-        or when no queued request qualifies. O(queued + running). Modifies nothing: the caller
-        retracts the victims in the engine, then calls `commit_slot_squash`."""
+        or when no queued request qualifies. R1 is the oldest queued request needing a slot whose
+        adapter is resident; with `request_prefetch`, an older one whose adapter is not (admission
+        asks for no load while no slot is left for its request) is R1 if the rule fires for it and
+        the prefetch makes its adapter resident at once; a load that does not complete at once
+        leaves the squash for a later pass. At most one prefetch per call. O(queued + running).
+        Modifies nothing but what the prefetch loads: the caller retracts the victims in the
+        engine, then calls `commit_slot_squash`."""
         if len(running_adapters) < max_adapters or self._slot_reserved in self.queues:
             return None
-        r1 = None
+        oldest = resident = None  # the oldest qualifying request; the oldest whose adapter is resident
         for q in range(self.queues.num_queues):
             for r in self.queues.scan(q):  # arrival order: the first that qualifies is the queue's oldest
-                if r1 is not None and r.seq > r1.seq:
+                if resident is not None and r.seq > resident.seq:
                     break
                 if r.resumed or r.adapter in running_adapters:
                     continue
+                if oldest is None or r.seq < oldest.seq:
+                    oldest = r
                 if is_resident is None or r.adapter is None or is_resident(r.adapter):
-                    r1 = r
+                    resident = r
                     break
-        if r1 is None:
+        if oldest is None:
             return None
         running = {a: [self._running.get(rid) for rid in rids]
                    for a, rids in running_adapters.items()}
-        return choose_slot_squash(r1, running, now, self.config, recompute_tokens, excluded)
+        if oldest is not resident and request_prefetch is not None:
+            squash = choose_slot_squash(oldest, running, now, self.config, recompute_tokens, excluded)
+            if squash is not None and request_prefetch(oldest.adapter) and is_resident(oldest.adapter):
+                return squash
+        if resident is None:
+            return None
+        return choose_slot_squash(resident, running, now, self.config, recompute_tokens, excluded)
 
     def commit_slot_squash(self, squash: SlotSquash) -> None:
         """After the engine retracted `squash.victims`: each goes back to its arrival position

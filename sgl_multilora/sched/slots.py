@@ -15,8 +15,9 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    keeping its place, as one whose adapter is loading is: it does not stop its queue, and the plan
    agrees with what the engine will take.
 2. Slot squash (Chameleon's squash, for slots instead of adapter memory). When every slot is taken
-   and R1, the oldest queued request that needs a new slot (its adapter resident, no token of it
-   produced yet), would miss its TTFT SLO waiting for one, the running requests of one adapter are
+   and R1, the oldest queued request that needs a new slot (its adapter resident, or made resident
+   for it by the squash's one prefetch; no token of it produced yet), would miss its TTFT SLO
+   waiting for one, the running requests of one adapter are
    retracted and go back to their arrival positions, and the freed slot is reserved for R1 in the
    next batch (one batch only: a beneficiary that cannot go in then, its cost over the budget or its
    adapter evicted meanwhile, must not hold the slot from everyone else). "Would miss": its wait so

@@ -9,6 +9,7 @@ Timing: 1 ms per prompt token and 0.1 s per output token; TTFT SLO 2 s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -26,9 +27,9 @@ from sgl_multilora.sched.slots import AdapterSlots, choose_slot_squash, slot_fre
 TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
 
 
-def make(max_squashes=1) -> MultiQueueScheduler:
+def make() -> MultiQueueScheduler:
     cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, ttft_slo_s=2.0,
-                      max_squashes=max_squashes, initial_norm=WrsNormalizer(1000, 1000, 8))
+                      max_squashes=1, initial_norm=WrsNormalizer(1000, 1000, 8))
     s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
     s.set_plan([], [100_000])
     return s
@@ -223,6 +224,30 @@ def test_the_beneficiary_is_the_oldest_resident_request_needing_a_slot():
     s.add(req("y1", "y", arrival=0.2))
     sq = s.slot_squash(1.5, running_map(s), 1, recompute, is_resident=lambda a: a != "x")
     assert sq.beneficiary.rid == "y1" and sq.adapter == "a"
+
+
+def test_the_squash_loads_the_adapter_of_an_older_request_whose_adapter_is_not_resident():
+    s = make()
+    s.add(req("a1", "a"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=1)
+    s.add(req("x1", "x", arrival=0.1))  # older, its adapter not resident (admission loads nothing for it)
+    s.add(req("y1", "y", arrival=0.2))
+    # the rule does not fire yet (a slot frees before the SLO is spent): no load is asked for
+    mem = Memory(resident=["a", "y"], capacity=3)
+    early = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.001)
+    s.config = dataclasses.replace(s.config, timing=early)
+    assert s.slot_squash(0.2, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch) is None
+    assert mem.loads == []
+    s.config = dataclasses.replace(s.config, timing=TIMING)
+    # it fires: the load completes at once, so x1, the oldest, gets the slot
+    sq = s.slot_squash(1.5, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch)
+    assert sq.beneficiary.rid == "x1" and sq.adapter == "a" and mem.loads == ["x"]
+    # a load that does not complete at once: the oldest resident request's squash instead
+    mem2 = Memory(resident=["a", "y"], capacity=3, asynchronous=True)
+    sq2 = s.slot_squash(1.5, running_map(s), 1, recompute, mem2.is_resident, (), mem2.prefetch)
+    assert sq2.beneficiary.rid == "y1" and mem2.loads == ["x"]
+    # without a prefetch callback, the oldest resident one, as before
+    assert s.slot_squash(1.5, running_map(s), 1, recompute, mem2.is_resident).beneficiary.rid == "y1"
 
 
 def test_a_removed_beneficiary_releases_its_reservation_and_pushed_back_requests_are_not_resumed():
