@@ -13,8 +13,11 @@ the thread's CPU time (on a shared machine wall time also counts preemption by o
 `add` and a forced refit (WRS normaliser, k-means for K = 1..4, quotas over the full window) are
 timed separately.
 
+With `--max-loras-per-batch N` the scan counts SGLang's per-batch adapter slots too (most of
+the waiting requests then have none and are passed over).
+
 Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000] [--overdue-s 2.5]
-       [--out eval/results/sched_cost.jsonl]
+       [--max-loras-per-batch 8] [--out eval/results/sched_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -121,8 +124,10 @@ def run(args) -> dict:
             sched.check_invariants()
             sched.refresh(now, force=True)
             add_ns.clear()
+        cap = args.max_loras_per_batch or None
+        running = {r.adapter for r in sched.running.values()} if cap else None
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        batch = sched.build_batch(now, args.budget_tokens, cache.is_resident, cache.prefetch)
+        batch = sched.build_batch(now, args.budget_tokens, cache.is_resident, cache.prefetch, running, cap)
         if it >= 0:
             build_ns.append(time.perf_counter_ns() - t0)
             build_cpu_ns.append(time.thread_time_ns() - c0)
@@ -173,6 +178,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overdue-s", type=float, default=0.0,
                         help="SchedConfig.overdue_s (--multilora-overdue-s); 0: off")
+    parser.add_argument("--max-loras-per-batch", type=int, default=0,
+                        help="SGLang's cap on distinct adapters per batch (0: none); the running set is built "
+                             "outside the timed call")
     parser.add_argument("--out", type=Path, default=Path("eval/results/sched_cost.jsonl"))
     args = parser.parse_args(argv)
 

@@ -46,6 +46,7 @@ class SimConfig:
     pool_bytes: int | None = None  # default: memory.pool_bytes(latency model)
     host_kv_bytes: int | None = None  # host KV tier of the systems with one; None: hostkv.HOST_KV_BYTES, 0: off
     admission: str = "fcfs"  # admission policy: fcfs, lpm or multiqueue (eval/sim/admission/)
+    max_loras_per_batch: int | None = None  # SGLang's cap on distinct adapters per batch (base one); None: none
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
 
 
@@ -116,6 +117,8 @@ class _Loop:
         self.num_steps = self.capped_steps = 0  # steps run; of them, at the running-request cap
         self.samples: list[dict] = []
         self.done: list[SimRequest] = []
+        self.num_slot_skips = 0  # admissions passed over for SGLang's per-batch adapter cap
+        self.num_retracted = 0
 
     @property
     def num_running(self) -> int:
@@ -162,20 +165,30 @@ class _Loop:
 
     def _admit(self, now: float) -> None:
         cfg, system, policy = self.cfg, self.system, self.admission
+        if not self.waiting:
+            return
+        policy.before_pass(self, now)
         backlog = sum(len(sr.prompt) - sr.computed for sr in self.prefilling)
-        if not self.waiting or self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
+        if self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
             return  # this pass could admit nothing
+        cap = cfg.max_loras_per_batch
+        adapters = set(self.running_by_adapter()) if cap is not None else set()
         admitted: set[SimRequest] = set()
         for i, sr in enumerate(policy.candidates(self.waiting, now, backlog)):
             if (i >= cfg.scan_limit or self.num_running >= cfg.max_running
                     or (policy.checks_backlog and backlog >= cfg.chunk_tokens)):
                 break
+            name = sr.req.adapter
+            if cap is not None and name not in adapters and len(adapters) >= cap:
+                self.num_slot_skips += 1
+                continue  # as SGLang's `can_schedule_lora_req`: the next request may go
             status = system.try_admit(sr)
             if status is Admit.OK:
                 sr.admit_s = now
                 sr.computed = sr.cached
                 self.prefilling.append(sr)
                 admitted.add(sr)
+                adapters.add(name)
                 backlog += len(sr.prompt) - sr.cached
             elif status is Admit.NO_MEMORY:
                 break
@@ -217,19 +230,22 @@ class _Loop:
         self.decode_ctx += self.num_decoding  # every decoding request grew by one token
         finished = []
         while self.finish_heap and self.finish_heap[0][0] <= self.step_no:
-            sr = heapq.heappop(self.finish_heap)[2]
+            _, seq, sr = heapq.heappop(self.finish_heap)
+            if seq != sr.decode_seq:
+                continue  # retracted while decoding (a stale entry)
             self._leave_decode(sr)
             finished.append(sr)
         for sr, n in prefill:
             sr.computed += n
             if sr.computed == len(sr.prompt):
-                sr.first_token_s = now
+                if sr.first_token_s is None:  # a resumed request's first token came out before
+                    sr.first_token_s = now
                 if len(sr.output) == 1:
                     finished.append(sr)
                 else:
                     self._enter_decode(sr)
         if prefill:
-            self.prefilling = [sr for sr in self.prefilling if sr.first_token_s is None]
+            self.prefilling = [sr for sr in self.prefilling if sr.computed < len(sr.prompt)]
         for sr in finished:
             sr.generated = len(sr.output)
             sr.finish_s = now
@@ -241,20 +257,56 @@ class _Loop:
                 self._seq += 1
                 heapq.heappush(self.arrivals, (child.submit_s, self._seq, child))
 
+    def running_by_adapter(self) -> dict[str | None, list[SimRequest]]:
+        """The running requests (prefilling and decoding) by adapter name (None: the base model). O(running)."""
+        out: dict[str | None, list[SimRequest]] = {}
+        for sr in self.prefilling:
+            out.setdefault(sr.req.adapter, []).append(sr)
+        for _, seq, sr in self.finish_heap:
+            if seq == sr.decode_seq:
+                out.setdefault(sr.req.adapter, []).append(sr)
+        return out
+
+    def generated(self, sr: SimRequest) -> int:
+        """Output tokens a decoding request has so far (its first came out of its prefill)."""
+        return 1 + self.step_no - sr.decode_step
+
+    def retract(self, victims: list[SimRequest]) -> None:
+        """Retracts decoding requests (a slot squash): each leaves the batch with its KV so far cached, and waits
+        again at its arrival position with what it streamed moved into its prompt; resumed, it prefills that
+        (mostly a cache hit) and decodes the rest. Its TTFT stays the first one's."""
+        for sr in victims:
+            assert sr.decode_seq >= 0, f"request {sr.req.rid} is not decoding: only decoding requests retract"
+            g = self.generated(sr)
+            self._leave_decode(sr, g)
+            self.system.retract(sr, g)
+            sr.prompt, sr.output = sr.prompt + sr.output[:g], sr.output[g:]
+            sr.resumed_tokens += g
+            sr.cached = sr.computed = sr.restored = 0
+            sr.reserved_slots = 0
+            i = len(self.waiting)
+            while i and self.waiting[i - 1].submit_s > sr.submit_s:
+                i -= 1
+            self.waiting.insert(i, sr)
+            self.num_retracted += 1
+
     def _enter_decode(self, sr: SimRequest) -> None:
         """After its first token: decodes the other len(output) - 1 in the next steps."""
         self.num_decoding += 1
         self.decode_ctx += len(sr.prompt) + 1
         self._seq += 1
+        sr.decode_step, sr.decode_seq = self.step_no, self._seq
         heapq.heappush(self.finish_heap, (self.step_no + len(sr.output) - 1, self._seq, sr))
         name = sr.req.adapter
         if name is not None:
             self.decode_lora += 1
             self.decode_adapters[name] = self.decode_adapters.get(name, 0) + 1
 
-    def _leave_decode(self, sr: SimRequest) -> None:
+    def _leave_decode(self, sr: SimRequest, generated: int | None = None) -> None:
+        """`generated`: the output tokens it has (all of them when it finishes)."""
         self.num_decoding -= 1
-        self.decode_ctx -= len(sr.prompt) + len(sr.output)
+        self.decode_ctx -= len(sr.prompt) + (len(sr.output) if generated is None else generated)
+        sr.decode_seq = -1
         name = sr.req.adapter
         if name is not None:
             self.decode_lora -= 1
@@ -264,22 +316,23 @@ class _Loop:
 
     def _check_aggregates(self) -> None:
         """Recomputes the decode aggregates from the heap (each entry: finish step, request)."""
-        entries = [(step, sr) for step, _, sr in self.finish_heap]
+        entries = [(step, sr) for step, seq, sr in self.finish_heap if seq == sr.decode_seq]
         assert len(entries) == self.num_decoding, "decode count out of step"
         ctx = sum(len(sr.prompt) + len(sr.output) - (step - self.step_no) for step, sr in entries)
         assert ctx == self.decode_ctx, f"decode context sum {self.decode_ctx} != {ctx}"
         assert self.decode_lora == sum(sr.req.adapter is not None for _, sr in entries), "LoRA count drifted"
 
     def _result(self, sr: SimRequest) -> RequestResult:
-        out = len(sr.output)
+        out = sr.output_tokens
         tpot = (sr.finish_s - sr.first_token_s) / (out - 1) if out > 1 else 0.0
         return RequestResult(
             experiment=self.experiment, arm=self.system.name, rid=sr.req.rid, adapter=sr.req.adapter,
-            arrival_s=sr.req.arrival_s, prompt_tokens=len(sr.prompt), output_tokens=out,
+            arrival_s=sr.req.arrival_s, prompt_tokens=sr.prompt_tokens, output_tokens=out,
             cached_tokens=sr.cached, ttft_s=sr.first_token_s - sr.submit_s, tpot_s=tpot,
             e2e_s=sr.finish_s - sr.submit_s,
             extra={"simulated": True, "submit_s": sr.submit_s, "queue_s": sr.admit_s - sr.submit_s,
-                   "adapter_was_resident": sr.adapter_was_resident, "host_restored_tokens": sr.restored},
+                   "adapter_was_resident": sr.adapter_was_resident, "host_restored_tokens": sr.restored,
+                   "resumed_tokens": sr.resumed_tokens},
         )
 
     def _summary(self) -> dict:

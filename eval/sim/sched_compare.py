@@ -10,6 +10,8 @@ Setup (fixed before any multi-queue result was seen; all figures simulated):
   unscaled: Chameleon scaled them down only to fit its A40, and the simulated H100 holds them (no length capped);
 - system: one arm for every policy (`--system`, default `ours:chameleon`: our unified pool with Chameleon's cache
   score), so only admission differs; Llama-3-8B on one H100 (eval/sim/latency.py), SimConfig defaults;
+  `--max-loras-per-batch N` gives the engine SGLang's cap on distinct adapters per batch (SGLang's default is 8;
+  Chameleon's engine has none), and the multi-queue policies then count slots and squash for them as live;
 - TTFT SLO, Chameleon's definition: 5 x the mean request execution time (E2E latency) on a lightly loaded system,
   measured here with fcfs at `--light-rate` (median over the seeds); the multi-queue quotas aim at it too;
 - a policy *sustains* a rate when the median over seeds of its P99 TTFT is within the SLO; its *max rate under the
@@ -97,7 +99,8 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
             lat: LatencyModel, kind: str = "sweep") -> dict:
     params = workload_params(rate, args.window_s)
     w = generate(params, seed)
-    config = SimConfig(admission=policy, ttft_slo_s=slo_s or SimConfig.ttft_slo_s)
+    config = SimConfig(admission=policy, ttft_slo_s=slo_s or SimConfig.ttft_slo_s,
+                       max_loras_per_batch=args.max_loras_per_batch)
     start = time.perf_counter()
     run = simulate(args.system, w.adapters, w.requests, experiment="sim_chameleon", lat=lat, config=config)
     wall = time.perf_counter() - start
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window-s", type=float, default=180.0, help="seconds of arrivals per run")
     ap.add_argument("--light-rate", type=float, default=1.0, help="the lightly loaded rate that sets the SLO")
     ap.add_argument("--system", default="ours:chameleon", help="the simulated system every policy runs on")
+    ap.add_argument("--max-loras-per-batch", type=int, default=None,
+                    help="SGLang's cap on distinct adapters per batch, every policy alike (default: none)")
     ap.add_argument("--out", default="eval/results/sim_chameleon")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)

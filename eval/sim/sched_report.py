@@ -188,9 +188,17 @@ def _sched_note(records: list[dict], rate: float) -> str:
     ks = sorted({r["sched"]["num_queues"] for r in rs})
     acc = np.median([r["sched"]["predictor"]["within_25pct"] for r in rs])
     req = np.median([r["sched"]["num_requeued"] / max(1, r["sched"]["counts"]["admitted"]) for r in rs])
+    squashes = [r["sched"]["counts"].get("slot_squashes", 0) for r in rs]
+    slots = (f" Slot squashes per run (median, min-max): {np.median(squashes):g} ({min(squashes)}-{max(squashes)})."
+             if rs and rs[0]["setup"]["sim_config"].get("max_loras_per_batch") else "")
     return (f"Multi-queue state at {rate:g} req/s (end of run): K = {ks} queues, predictor within +-25% of the true "
             f"output length for {acc:.0%} of requests (median over seeds), re-queued after planning "
-            f"{req:.2f} times per admission.")
+            f"{req:.2f} times per admission.{slots}")
+
+
+def _cap(setup: dict) -> str:
+    cap = setup["sim_config"].get("max_loras_per_batch")
+    return f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`" if cap else ""
 
 
 def markdown(records: list[dict], command: str) -> str:
@@ -211,8 +219,8 @@ def markdown(records: list[dict], command: str) -> str:
              f"popularity, Zipf({p['zipf_s']}) within a rank, Azure conversation lengths x {p['length_scale']}, "
              f"Poisson arrivals for {s0['window_s']:g} s per run); system `{s0['system']}` for every policy "
              f"(max {s0['sim_config']['max_running']} running, {s0['sim_config']['chunk_tokens']}-token chunked "
-             f"prefill, {s0['pool_slots']} token slots); seeds {seeds}; policies {', '.join(POLICIES)} "
-             "(eval/sim/admission/).")
+             f"prefill, {s0['pool_slots']} token slots{_cap(s0)}); seeds {seeds}; policies "
+             f"{', '.join(POLICIES)} (eval/sim/admission/).")
     slo = (f"TTFT SLO = {SLO_FACTOR:g} x mean E2E latency of fcfs at {light[0]['setup']['rate']:g} req/s "
            f"(light load; per seed {', '.join(f'{x:.2f}' for x in light_e2e)} s) = **{slo_s:.2f} s**. A policy "
            "sustains a rate when its median P99 TTFT over seeds is within the SLO; definitions in "

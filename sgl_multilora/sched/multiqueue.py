@@ -226,6 +226,8 @@ class MultiQueueScheduler:
         overdue.sort(key=lambda r: r.seq)
         passed = 0
         for r in overdue:
+            if not ctx.has_slot(r):
+                continue  # passed over like a loading one: slots free as adapters drain
             if not ctx.resident(r.adapter) and not ctx.fetch(r):
                 passed += 1
                 if passed > self.config.lookahead:
@@ -233,11 +235,6 @@ class MultiQueueScheduler:
                 continue
             if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
                 return True  # nothing running and still too big: it goes in, the engine has all it will have
-            if not ctx.has_slot(r):  # passed over like a loading one: slots free as adapters drain
-                passed += 1
-                if passed > self.config.lookahead:
-                    return False
-                continue
             ctx.take_slot(r)
             r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
             if ctx.budget is not None:

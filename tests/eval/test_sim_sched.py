@@ -10,7 +10,7 @@ import pytest
 
 from eval.sim.admission import POLICIES, create_admission
 from eval.sim.admission.lpm import LpmAdmission
-from eval.sim.engine import SimConfig, _sim_requests, simulate
+from eval.sim.engine import SimConfig, _Loop, _sim_requests, simulate
 from eval.sim.latency import Hardware, LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.systems import create_system
@@ -50,6 +50,39 @@ def test_every_request_finishes_with_invariants_checked(policy):
     assert sorted(r.rid for r in run.results) == sorted(r.rid for r in w.requests)
     assert run.admission.name == policy
     assert max(r.extra["queue_s"] for r in run.results) > 0  # the small engine did make requests wait
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "multiqueue"])
+def test_the_adapter_slot_cap_and_the_slot_squash_lose_nothing(policy, monkeypatch):
+    """SGLang's per-batch adapter cap in the engine: every request finishes with its workload lengths, no batch
+    holds more adapters than the cap, and under multiqueue the slot squash retracts decoding requests that later
+    resume (their TTFT the first one's), with every invariant checked after each step."""
+    w = generate(HeterogeneousParams(num_requests=80, num_adapters=10, rate=40.0, length_scale=0.1,
+                                     max_output_tokens=128), seed=2)
+    config = SimConfig(admission=policy, max_running=16, chunk_tokens=1024, check_every_step=True,
+                       max_loras_per_batch=2, ttft_slo_s=0.5)
+    widths = []
+    real = _Loop._admit
+
+    def admit(self, now):
+        real(self, now)
+        widths.append(len(self.running_by_adapter()))
+
+    monkeypatch.setattr(_Loop, "_admit", admit)
+    run = simulate("ours:chameleon", w.adapters, w.requests, config=config)
+    by_rid = {r.rid: r for r in w.requests}
+    assert sorted(r.rid for r in run.results) == sorted(by_rid)
+    for r in run.results:
+        want = by_rid[r.rid]
+        assert (r.prompt_tokens, r.output_tokens) == (want.history_tokens + want.new_tokens, want.output_tokens)
+        assert 0 < r.ttft_s <= r.e2e_s
+    assert max(widths) == 2
+    resumed = sum(1 for r in run.results if r.extra["resumed_tokens"])
+    if policy == "multiqueue":
+        counts = run.admission.mq.stats().counts
+        assert counts["slot_squashes"] > 0 and counts["slot_squashed"] >= resumed > 0
+    else:
+        assert resumed == 0
 
 
 def test_multiqueue_lets_a_short_request_pass_long_high_rank_ones(monkeypatch):
@@ -127,3 +160,18 @@ def test_sweep_writes_records_and_report(tmp_path):
     assert all(r["setup"]["ttft_slo_s"] == pytest.approx(5 * sum(light_e2e) / 2) for r in sweep)  # 5 x median
     md = out.with_suffix(".md").read_text()
     assert "## Headline" in md and "| 30 | multiqueue |" in md and "simulated" in md
+    assert "distinct adapters per batch" not in md and "Slot squashes" not in md
+
+
+def test_sweep_with_the_adapter_slot_cap_reports_it(tmp_path):
+    from eval.sim import sched_compare
+
+    out = tmp_path / "sim_chameleon_cap"
+    sched_compare.main(["--rates", "30", "--seeds", "0", "--window-s", "4", "--light-rate", "2",
+                        "--max-loras-per-batch", "2", "--out", str(out)])
+    records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert all(r["setup"]["sim_config"]["max_loras_per_batch"] == 2 for r in records)
+    mq = [r for r in records if r["setup"]["policy"] == "multiqueue"]
+    assert mq and all("slot_squashes" in r["sched"]["counts"] for r in mq)
+    md = out.with_suffix(".md").read_text()
+    assert "at most 2 distinct adapters per batch" in md

@@ -126,6 +126,21 @@ def test_an_adapter_loaded_at_once_admits_its_request_in_the_same_batch():
     s2.check_invariants()
 
 
+def test_slot_skips_spend_no_lookahead_so_a_running_adapter_far_back_still_goes_in():
+    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, lookahead=2,
+                      initial_norm=WrsNormalizer(1000, 1000, 8))
+    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
+    s.set_plan([], [100_000])
+    for i in range(10):  # ten requests on adapters that have no slot, then two on the running one
+        s.add(req(f"x{i}", f"x{i}", arrival=0.01 * i))
+    s.add(req("a1", "a", arrival=0.2))
+    s.add(req("a2", "a", arrival=0.3))
+    batch = s.build_batch(1.0, running_adapters={"a"}, max_adapters=1)
+    assert rids(batch) == ["a1", "a2"]
+    assert s.stats().counts["slot_skips"] == 10
+    s.check_invariants()
+
+
 def test_overdue_requests_pass_over_a_full_cap_too():
     cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, overdue_s=1.0,
                       initial_norm=WrsNormalizer(1000, 1000, 8))

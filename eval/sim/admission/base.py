@@ -4,11 +4,11 @@ Lives here: `BaseAdmission`, the interface (and FCFS's behaviour, which the othe
 itself (engine.py asks the system whether each candidate fits and stops on its limits), memory or the policies
 (one file each).
 
-Per step the engine (1) tells the policy about arrivals (`on_arrival`), (2) when it could admit anything at all
-(a waiting request, a free running slot, less than a chunk of prefill backlog), asks for `candidates` and walks
-them in order: a request the system admits starts prefilling, one waiting for its adapter or a slot is passed
-over, one lacking KV memory ends the pass; (3) reports the admitted set (`after_pass`); (4) reports every finished
-request (`on_finish`).
+Per step the engine (1) tells the policy about arrivals (`on_arrival`), (2) with requests waiting, lets it retract
+running ones (`before_pass`), (3) when it could admit anything at all (a free running slot, less than a chunk of
+prefill backlog), asks for `candidates` and walks them in order: a request the system admits starts prefilling, one
+waiting for its adapter or a slot is passed over, one lacking KV memory ends the pass; (4) reports the admitted set
+(`after_pass`); (5) reports every finished request (`on_finish`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eval.sim.engine import SimConfig
+    from eval.sim.engine import SimConfig, _Loop
     from eval.sim.latency import LatencyModel
     from eval.sim.systems.base import BaseSystem
     from eval.sim.systems.request import SimRequest
@@ -35,6 +35,10 @@ class BaseAdmission:
 
     def on_arrival(self, sr: SimRequest, now: float) -> None:
         """`sr` joined the waiting list (appended at its end)."""
+
+    def before_pass(self, loop: _Loop, now: float) -> None:
+        """Before a pass with requests waiting: a policy may retract running requests here
+        (`loop.retract`)."""
 
     def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
         """The waiting requests this pass examines, in order (FCFS: all of them, oldest first). May reorder

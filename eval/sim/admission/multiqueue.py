@@ -11,12 +11,12 @@ driver sends too, so the prediction is capped by the true length); each pass cal
 is_resident, prefetch)`; what the engine did not admit after all is re-queued at its arrival position; a finished
 request returns its quota and teaches the predictor its output length.
 Choices of the simulator, each a departure from the live hook:
-- squashes are not applied: the engine never preempts (each admitted request reserves KV for its whole prompt and
-  output, engine.py), where the live hook retracts a bypassing request through SGLang's own retraction;
-- no adapter-slot cap is passed to `build_batch`: the simulated engine batches any number of distinct adapters (the
-  stock-SGLang-like system's slots bound which adapters are resident, not how many a batch holds), so the live
-  hook's slot rules (sgl_multilora/sched/slots.py) have nothing to act on here, and slot squashes, being
-  retractions, would need the preemption the engine does not have either;
+- memory squashes (the bypass rule's) are not applied: the engine reserves KV for a request's whole prompt and
+  output at admission (engine.py), so a bypassing request never holds memory a blocked one could use later;
+- with SGLang's per-batch adapter cap (`SimConfig.max_loras_per_batch`; none by default) the plan counts slots and
+  the slot squash (sgl_multilora/sched/slots.py) runs before each pass as live: the victims are decoding requests
+  (`_Loop.retract`: their KV so far cached, resumed by prefilling it), never an adapter with a request still
+  prefilling (live: the chunked request's adapter);
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
   SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
   queue);
@@ -65,6 +65,7 @@ class MultiQueueAdmission(BaseAdmission):
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
         self.planned: list[SimRequest] = []
+        self.running_adapters: set[str | None] = set()  # those of the engine's batch (with a slot cap), per pass
         self.num_passes = 0
         self.num_requeued = 0
 
@@ -80,10 +81,36 @@ class MultiQueueAdmission(BaseAdmission):
         self.mq.add(SchedRequest(sr.req.rid, name, len(sr.prompt), rank=rank, adapter_tokens=0,
                                  max_new_tokens=len(sr.output), arrival=sr.submit_s))
 
+    def before_pass(self, loop, now: float) -> None:
+        """The slot squash, with a cap on adapters per batch (module docstring)."""
+        cap = self.cfg.max_loras_per_batch
+        if cap is None:
+            return
+        running = loop.running_by_adapter()
+        self.running_adapters = set(running)
+        if len(running) < cap:
+            return
+        excluded = {a for a, srs in running.items() if any(sr.decode_seq < 0 for sr in srs)}
+        by_rid = {sr.req.rid: sr for srs in running.values() for sr in srs}
+
+        def recompute(r: SchedRequest) -> int:
+            sr = by_rid[r.rid]
+            return len(sr.prompt) + loop.generated(sr)
+
+        squash = self.mq.slot_squash(now, {a: [sr.req.rid for sr in srs] for a, srs in running.items()}, cap,
+                                     recompute, self.system.residency.is_resident, excluded, self._prefetch)
+        if squash is None:
+            return
+        loop.retract([by_rid[r.rid] for r in squash.victims])
+        self.mq.commit_slot_squash(squash)
+        self.running_adapters.discard(squash.adapter)
+
     def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
         system = self.system
         budget = max(0, min(system.admission_room(), self.cfg.chunk_tokens - backlog + self.max_cost))
-        batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch)
+        cap = self.cfg.max_loras_per_batch
+        batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch,
+                                    self.running_adapters if cap is not None else None, cap)
         self.num_passes += 1
         self.planned = [self.by_rid[r.rid] for r in batch]
         return self.planned
@@ -101,7 +128,7 @@ class MultiQueueAdmission(BaseAdmission):
         self.planned = []
 
     def on_finish(self, sr: SimRequest, now: float) -> None:
-        self.mq.on_finish(sr.req.rid, now, len(sr.output))
+        self.mq.on_finish(sr.req.rid, now, sr.output_tokens)
         del self.by_rid[sr.req.rid]
 
     def check_invariants(self, waiting: list[SimRequest]) -> None:

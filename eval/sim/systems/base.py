@@ -191,8 +191,17 @@ class BaseSystem:
 
     def finish(self, sr: SimRequest) -> None:
         """Moves the request's KV into the prefix cache (or frees it) and releases its adapter."""
+        self._release(sr, sr.prompt + sr.output)
+
+    def retract(self, sr: SimRequest, generated: int) -> None:
+        """A running request goes back to waiting after `generated` output tokens (a slot squash): its KV so far
+        goes into the prefix cache as a finished request's would (so resuming recomputes little), its adapter is
+        released, and it waits again (`prompt` then holds what it streamed; engine.py resumes it)."""
+        self._release(sr, sr.prompt + sr.output[:generated])
+        self.waiting[sr.req.adapter] += 1
+
+    def _release(self, sr: SimRequest, full: tuple[int, ...]) -> None:
         if self.tree is not None:
-            full = sr.prompt + sr.output
             vals = self.values(sr, len(full))
             res = self.tree.insert(self.key(sr, full), vals)
             new = len(full) - res.prefix_len

@@ -48,3 +48,16 @@ class SimRequest:
     restored: int = 0  # prompt tokens copied back from the host tier (part of `cached`)
     ready_s: float = 0.0  # prefill may start (KV it reuses still being copied in until then)
     host_lock: Node | None = None  # host-tier run this request will copy back, pinned until admission
+    resumed_tokens: int = 0  # output tokens streamed before a retraction (engine.py), since moved into `prompt`
+    decode_step: int = 0  # the engine step at which its first token came out of its (last) prefill
+    decode_seq: int = -1  # its live entry in the engine's finish heap while decoding, else -1
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The workload's prompt length (a retracted request's `prompt` also holds what it had streamed)."""
+        return len(self.prompt) - self.resumed_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """The workload's output length (a retracted request's `output` holds only what is left)."""
+        return len(self.output) + self.resumed_tokens
