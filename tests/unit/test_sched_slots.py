@@ -27,9 +27,10 @@ from sgl_multilora.sched.slots import AdapterSlots, choose_slot_squash, slot_fre
 TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
 
 
-def make() -> MultiQueueScheduler:
-    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, ttft_slo_s=2.0,
-                      max_squashes=1, initial_norm=WrsNormalizer(1000, 1000, 8))
+def make(**config) -> MultiQueueScheduler:
+    """A scheduler with one queue of 100,000 tokens; `config` overrides SchedConfig fields."""
+    cfg = SchedConfig(**{"total_tokens": 100_000, "requeue_s": math.inf, "timing": TIMING, "ttft_slo_s": 2.0,
+                         "max_squashes": 1, "initial_norm": WrsNormalizer(1000, 1000, 8), **config})
     s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
     s.set_plan([], [100_000])
     return s
@@ -127,10 +128,7 @@ def test_an_adapter_loaded_at_once_admits_its_request_in_the_same_batch():
 
 
 def test_slot_skips_spend_no_lookahead_so_a_running_adapter_far_back_still_goes_in():
-    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, lookahead=2,
-                      initial_norm=WrsNormalizer(1000, 1000, 8))
-    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
-    s.set_plan([], [100_000])
+    s = make(lookahead=2)
     for i in range(10):  # ten requests on adapters that have no slot, then two on the running one
         s.add(req(f"x{i}", f"x{i}", arrival=0.01 * i))
     s.add(req("a1", "a", arrival=0.2))
@@ -142,10 +140,7 @@ def test_slot_skips_spend_no_lookahead_so_a_running_adapter_far_back_still_goes_
 
 
 def test_overdue_requests_pass_over_a_full_cap_too():
-    cfg = SchedConfig(total_tokens=100_000, requeue_s=math.inf, timing=TIMING, overdue_s=1.0,
-                      initial_norm=WrsNormalizer(1000, 1000, 8))
-    s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
-    s.set_plan([], [100_000])
+    s = make(overdue_s=1.0)
     s.add(req("b1", "b", arrival=0.0))
     s.add(req("a1", "a", arrival=0.5))
     batch = s.build_batch(5.0, running_adapters={"a"}, max_adapters=1)
