@@ -6,8 +6,8 @@ Per admission pass (`Scheduler.get_new_batch_prefill`): before it, the memory pi
 requests and runs the idle swapper, the multi-queue scheduler retracts what its squash rules take back (adapter
 memory, adapter slots) and plans which waiting requests the pass may take; during it, a request outside the plan
 or whose adapter is not resident is skipped (`can_schedule_lora_req`, `PrefillAdder.add_one_req`); after it, the
-memory re-reads the running adapters and the scheduler re-queues what SGLang did not admit. Per step (`process_batch_result`): step statistics,
-finished requests, test-mode invariants.
+memory re-reads the running adapters and the scheduler re-queues what SGLang did not admit. Per step
+(`process_batch_result`): step statistics, finished requests, test-mode invariants.
 """
 
 from __future__ import annotations

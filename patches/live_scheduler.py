@@ -41,9 +41,9 @@ is taken and the oldest queued request that needs a new one would miss its TTFT 
 of the adapter cheapest to recompute (prompt + output tokens) are retracted, and the freed slot is reserved for that
 request. Their KV stays in the tree (memory is not what they are retracted for), so resuming recomputes next to
 nothing unless it was evicted meanwhile. While every slot is taken, the plan loads no adapter (a load would serve a
-request that cannot run); the squash itself loads the adapter of the request it fires for, if that is not resident. Not squashed: the adapter of a chunked prefill in progress. SGLang's
-pinned adapters are not modelled (with pinned adapters its check can refuse what the plan admits; the refused
-request is pushed back and keeps its place).
+request that cannot run); the squash itself loads the adapter of the request it fires for, if that is not resident.
+Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters are not modelled (with pinned
+adapters its check can refuse what the plan admits; the refused request is pushed back and keeps its place).
 """
 
 from __future__ import annotations

@@ -84,9 +84,11 @@ class BatchContext:
         caller checks: an adapter loaded for a request that cannot run now would evict one that
         can, and be evicted again before its request runs): asks for the adapter's load. True
         when the adapter is resident now (a load that completes at once, as a host copy on a CPU
-        does): the request is then admitted like any other."""
-        self.loadable(r.adapter)
-        self._resident[r.adapter] = self._is_resident(r.adapter)
+        does): the request is then admitted like any other. Residency is read again once, after
+        the first load asked for the adapter in this batch (not for each of its requests)."""
+        if r.adapter not in self._loadable:
+            self.loadable(r.adapter)
+            self._resident[r.adapter] = self._is_resident(r.adapter)
         return self._resident[r.adapter]
 
     def memory_blocked(self, adapter: str) -> bool:

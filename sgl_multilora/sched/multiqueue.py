@@ -227,7 +227,7 @@ class MultiQueueScheduler:
         passed = 0
         for r in overdue:
             if not ctx.has_slot(r):
-                continue  # passed over like a loading one: slots free as adapters drain
+                continue  # passed over, spending no lookahead: slots free as adapters drain
             if not ctx.resident(r.adapter) and not ctx.fetch(r):
                 passed += 1
                 if passed > self.config.lookahead:

@@ -123,6 +123,14 @@ def test_an_adapter_loaded_at_once_admits_its_request_in_the_same_batch():
     assert rids(s2.build_batch(0.0, None, mem2.is_resident, mem2.prefetch, set(), 4)) == ["a1"]
     mem2.resident.append("b")
     assert rids(s2.build_batch(0.1, None, mem2.is_resident, mem2.prefetch, {"a"}, 4)) == ["b1"]
+    # each callback once per adapter and batch, however many of its requests the scan meets
+    s3 = make()
+    for i in range(5):
+        s3.add(req(f"c{i}", "c"))
+    mem3 = Memory(resident=[], capacity=3, asynchronous=True)
+    asked = []
+    s3.build_batch(0.0, None, lambda a: asked.append(a) or mem3.is_resident(a), mem3.prefetch, set(), 4)
+    assert asked == ["c", "c"] and mem3.loads == ["c"]  # before the load and once after it
     s.check_invariants()
     s2.check_invariants()
 
