@@ -58,6 +58,7 @@ class MultiLoRARadixCache(RadixCache):
         allocator = self.token_to_kv_pool_allocator
         if isinstance(allocator, UnifiedTokenAllocator):
             self.memory = LiveMemory(allocator, self.tree)
+            self.memory.waiting_key = self.waiting_key
             state = process_state()
             for lora_id, adapter in state.adapters.loaded_items():
                 self.memory.register(lora_id, adapter)
@@ -96,6 +97,16 @@ class MultiLoRARadixCache(RadixCache):
         if spec is None:
             raise RuntimeError(f"request {req.rid} names LoRA id {lora_id}, which is not loaded")
         return self.key_for(namespace, spec, token_ids, req.origin_input_ids)
+
+    def waiting_key(self, req) -> MatchKey | None:
+        """The tree key of the prefix a waiting request will match when admitted (its prompt and any output a
+        retraction left), or None when it will match nothing (its adapter was unloaded, embedding overrides)."""
+        if getattr(req, "positional_embed_overrides", None) is not None:
+            return None
+        if req.lora_id is not None and self.adapters.spec(req.lora_id) is None:
+            return None
+        tokens = req.origin_input_ids if not req.output_ids else [*req.origin_input_ids, *req.output_ids]
+        return self._key_for_req(req, tokens)
 
     def key_for(self, namespace: Namespace, spec: AdapterSpec | None, token_ids, prompt_ids) -> MatchKey:
         """The tree key of `token_ids` under `namespace` for adapter `spec` (None: the base model); an aLoRA's

@@ -22,7 +22,8 @@ protected.
 Admission. A request whose adapter is not resident is skipped for this pass (the queue goes on) while the
 swapper makes room and copies it in; the room taken never exceeds what the pass's prefill budget has left, so
 requests already admitted keep their memory. Adapters used by running or just-admitted requests are never
-evicted (their counts are set from the scheduler's batches before and after every admission pass).
+evicted (their counts are set from the scheduler's batches before and after every admission pass). Adapters the
+waiting queue names and the KV its requests' prefixes match are evicted after every other candidate (`set_wanted`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from itertools import islice
 
 import numpy as np
 import torch
@@ -43,7 +45,7 @@ from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
 from sgl_multilora.residency import AdapterResidency
 from sgl_multilora.slot_layout import place, slots_needed
-from sgl_multilora.swapper import Swapper
+from sgl_multilora.swapper import WANTED_KV_SCAN, Swapper
 from sgl_multilora.tree import LoraRadixTree
 
 logger = logging.getLogger(__name__)
@@ -173,6 +175,10 @@ class LiveMemory:
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
         self.swapper.wanted = lambda: self._wanted
+        self.waiting_key = None  # the radix backend's req -> tree key of the prefix it would reuse (None: none)
+        self._waiting: list = []  # the head of the waiting queue at the last pass
+        self._wanted_kv: set[int] | None = None  # ids of the KV nodes its prefixes match, found at first need
+        self.swapper.wanted_kv = self._wanted_kv_ids
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
@@ -331,10 +337,20 @@ class LiveMemory:
         self.residency.set_running(counts)
 
     def set_wanted(self, waiting_reqs) -> None:
-        """The adapters waiting requests name (read at each admission pass): evicted after every other candidate."""
+        """The adapters waiting requests name, and the first WANTED_KV_SCAN requests' cached prefixes (read at each
+        admission pass): the swapper evicts both after every other candidate. The prefixes are matched only when
+        an eviction first needs them (`_wanted_kv_ids`), at most once per pass."""
         registry = process_state().adapters
         self._wanted = {i for i in (registry.identity(r.lora_id) for r in waiting_reqs if r.lora_id is not None)
                         if i is not None}
+        self._waiting = list(islice(waiting_reqs, WANTED_KV_SCAN))
+        self._wanted_kv = None
+
+    def _wanted_kv_ids(self) -> set[int]:
+        if self._wanted_kv is None:
+            keys = [k for k in map(self.waiting_key, self._waiting) if k is not None] if self.waiting_key else []
+            self._wanted_kv = self.swapper.tree.prefix_node_ids(keys)
+        return self._wanted_kv
 
     def record_request(self, identity: str | None) -> None:
         self.usage.record_request(identity, self.swapper.tree.clock())

@@ -25,7 +25,11 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
 - A10: after each adapter eviction the heap is rebuilt, since Low_lora's N changed and ELORA rescores; after
   a KV eviction only the newly eligible items are scored.
 - Adapters that waiting requests name (`wanted`, from the scheduler's queue) are evicted after every other
-  candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache).
+  candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache). So is
+  the KV that waiting requests' prefixes match (`wanted_kv`, node ids: `LoraRadixTree.prefix_node_ids`): a
+  follow-up turn queued behind a burst would otherwise lose its history to the requests admitted before it and
+  recompute it, more work exactly when the server is short of it; the KV of a conversation not yet back is
+  needed later than a queued request's (Belady's order, where the queue is the only foresight there is).
 - Ties: equal scores go KV first, then by node id (creation order) or adapter id, so the order never depends
   on set iteration or hash seeds (the simulator is deterministic across processes).
 - `dependency=False` is ELORA's WOM ablation: adapters go by the same score while their KV stays (invalid).
@@ -44,6 +48,9 @@ from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import FreeFn, Node, NodeKind
 
 _KV = NodeKind.KV
+# Waiting requests, from the queue's head, whose cached prefixes an owner passes as `wanted_kv`: bounds the matching
+# (one tree walk per request) an eviction does under a queue of thousands.
+WANTED_KV_SCAN = 256
 _ADAPTER = NodeKind.ADAPTER
 
 
@@ -91,6 +98,7 @@ class Swapper:
         self.on_evict_kv = on_evict_kv
         self.kv_prefetch: Callable[[int], int] | None = None
         self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
+        self.wanted_kv: Callable[[], Container[int]] | None = None  # ids of KV nodes they match: evicted last
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
         self._refused_prefetch: tuple[str, int] | None = None  # (adapter, pool.num_releases after its refusal)
@@ -112,13 +120,15 @@ class Swapper:
             return True
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
-        heap, wanted = self._heap(protect, now), self._wanted()
+        wanted = self.wanted() if self.wanted is not None else ()
+        wanted_kv = self.wanted_kv() if self.wanted_kv is not None else ()
+        heap = self._heap(protect, now, wanted, wanted_kv)
         while heap and (pool.num_free < target or (run and pool.largest_free_run() < run)):
             item = heapq.heappop(heap)[4]
             if isinstance(item, str):
                 if self._adapter_evictable(item, protect):
                     self._evict_adapter(item)
-                    heap = self._heap(protect, now)  # N changed: ELORA rescores (A10)
+                    heap = self._heap(protect, now, wanted, wanted_kv)  # N changed: ELORA rescores (A10)
                 continue
             if item.is_evicted or item.children or item.lock_ref:
                 continue
@@ -129,7 +139,7 @@ class Swapper:
             c.kv_evicted_slots += self.tree.evict_leaf(item, self.free_kv)
             c.kv_evictions += 1
             if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (0, score(parent, now), 0, parent.id, parent))
+                heapq.heappush(heap, (int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))
             for adapter in (parent, dep):
                 if adapter is not None and adapter.kind is _ADAPTER:
                     name = adapter.label.identity
@@ -265,15 +275,13 @@ class Swapper:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _wanted(self):
-        return self.wanted() if self.wanted is not None else ()
-
-    def _heap(self, protect: str | None, now: float) -> list:
-        """Candidates as (tier, score, kind, key, item): adapters wanted by waiting requests in tier 1, after
-        everything else; then by score, KV (0) before adapters (1) on equal scores, then node id or adapter id."""
-        score_many, records, wanted = self.policy.score_many, self.records, self._wanted()
+    def _heap(self, protect: str | None, now: float, wanted: Container[str], wanted_kv: Container[int]) -> list:
+        """Candidates as (tier, score, kind, key, item): adapters and KV wanted by waiting requests in tier 1,
+        after everything else; then by score, KV (0) before adapters (1) on equal scores, then node id or
+        adapter id."""
+        score_many, records = self.policy.score_many, self.records
         leaves = self.tree.evictable_leaves()
-        heap = [(0, s, 0, n.id, n) for s, n in zip(score_many(leaves, now), leaves)]
+        heap = [(int(n.id in wanted_kv), s, 0, n.id, n) for s, n in zip(score_many(leaves, now), leaves)]
         adapters = [a for a in self.residency.resident_ids() if self._adapter_evictable(a, protect)]
         heap += [(int(a in wanted), s, 1, a, a)
                  for s, a in zip(score_many([records[a] for a in adapters], now), adapters)]

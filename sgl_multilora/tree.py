@@ -47,7 +47,7 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
 from sgl_multilora.tree_check import check_tree
@@ -296,6 +296,18 @@ class LoraRadixTree:
         if not self._store.is_evictable_leaf(node):
             raise ValueError(f"evict_leaf needs an unlocked KV leaf of this tree, got {node}")
         return self._store.evict_leaf(node, free_fn)
+
+    def prefix_node_ids(self, keys: Iterable[MatchKey]) -> set[int]:
+        """Ids of the KV nodes holding any of the cached prefixes of `keys`: each key's match (with
+        `touch=False`, so a pure query) ends at a node, and that node and its KV ancestors hold the
+        prefix. For an evictor that frees what waiting requests will reuse last. O(matched nodes)."""
+        ids: set[int] = set()
+        for key in keys:
+            node = self.match(key, touch=False).last_node
+            while node.kind is _KV and node.id not in ids:
+                ids.add(node.id)
+                node = node.parent
+        return ids
 
     # ---- lengths, stats, invariants --------------------------------------------------------------
 

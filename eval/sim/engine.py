@@ -168,6 +168,7 @@ class _Loop:
         if not self.waiting:
             return
         policy.before_pass(self, now)
+        system.set_waiting(self.waiting)
         backlog = sum(len(sr.prompt) - sr.computed for sr in self.prefilling)
         if self.num_running >= cfg.max_running or backlog >= cfg.chunk_tokens:
             return  # this pass could admit nothing

@@ -146,3 +146,23 @@ def test_unknown_adapter_is_finished_with_400_before_it_joins_a_batch():
     loaded = make_req("loaded", lora_id=VICTIM_ID)
     ingress.add_request_to_queue(lambda self, req: queued.append(req), scheduler, loaded)
     assert loaded.lora_id == VICTIM_ID and loaded.to_finish is None
+
+
+def test_a_waiting_requests_key_is_what_its_admission_will_match():
+    """`waiting_key` (the prefix the swapper evicts last for a queued request) of real `Req`s: the next turn of the
+    same adapter, by content, matches the cached prompt; a retracted request's output counts; another adapter or
+    tenant matches nothing, so a queued request never protects (or learns of) another namespace's KV; an unloaded
+    adapter gives no key."""
+    cache = tree_cache()
+    owner = make_req("owner", lora_id=VICTIM_ID)
+    cache.tree.insert(cache._key_for_req(owner, PROMPT + [7, 8]), list(range(len(PROMPT) + 2)))
+    same_content = make_req("next", lora_id="c3" * 16)  # another id, the same weights
+    wanted = cache.tree.prefix_node_ids([cache.waiting_key(same_content)])
+    assert wanted and cache.tree.match(cache.waiting_key(same_content)).prefix_len == len(PROMPT)
+    retracted = make_req("retracted", lora_id=VICTIM_ID)
+    retracted.output_ids = [7, 8]
+    assert cache.tree.match(cache.waiting_key(retracted)).prefix_len == len(PROMPT) + 2
+    for other in (make_req("other", lora_id=OTHER_ID), make_req("base"),
+                  make_req("salted", lora_id=VICTIM_ID, cache_salt="tenant-2")):
+        assert cache.tree.prefix_node_ids([cache.waiting_key(other)]) == set(), other.rid
+    assert cache.waiting_key(make_req("unloaded", lora_id="ff" * 16, strict=False)) is None

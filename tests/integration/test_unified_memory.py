@@ -337,6 +337,35 @@ def test_adapters_of_waiting_requests_are_evicted_last(world):
     memory.check_invariants()
 
 
+def test_kv_waiting_requests_would_reuse_is_evicted_last(world):
+    """A queued request's cached prefix outlives fresher KV no request waits for: LRU alone would take the older
+    run first. The prefixes are matched once per admission pass, at the first eviction that needs them."""
+    from types import SimpleNamespace
+
+    kv, allocator, tree, memory, adapters, clock = world
+    ident = adapters["a"].spec.identity
+    assert memory.ensure_resident(ident, budget=None)
+    runs = {}
+    for t, tokens in ((1.0, [1, 2, 3]), (2.0, [4, 5, 6])):
+        clock[0] = t
+        values = allocator.alloc(3).tolist()
+        tree.insert(MatchKey(NS, AdapterRef(ident, "a"), tokens), values)
+        allocator.mark_cached(values)
+        runs[tokens[0]] = values
+    allocator.alloc(allocator.available_size())  # running KV takes every free slot
+    memory.set_running([SimpleNamespace(lora_id="a")])
+    queued = SimpleNamespace(lora_id="a", tokens=[1, 2, 3, 9])  # the next turn of the older run
+    memory.waiting_key = lambda r: MatchKey(NS, AdapterRef(ident, "a"), r.tokens)
+    memory.set_wanted([queued])
+    clock[0] = 3.0
+    assert memory.evict(3) == 3
+    assert tree.match(MatchKey(NS, AdapterRef(ident, "a"), [1, 2, 3]), touch=False).prefix_len == 3
+    assert tree.match(MatchKey(NS, AdapterRef(ident, "a"), [4, 5, 6]), touch=False).prefix_len == 0
+    assert memory.evict(3) == 3  # wanted KV only goes last: it never keeps room from a request
+    assert tree.total_len() == 0
+    memory.check_invariants()
+
+
 def test_room_without_a_running_request_is_what_retracting_it_gives_back(world):
     """The squash rule's terms (patches/live_scheduler.py): `room_without` for a running request equals the room
     after really releasing it (its tree lock, its use of its adapter, the KV only it holds), changes nothing, and

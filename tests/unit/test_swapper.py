@@ -256,6 +256,45 @@ def test_adapters_waiting_requests_name_are_evicted_last():
     w.check()
 
 
+def test_kv_waiting_requests_would_reuse_is_evicted_last():
+    """A base request [5 6 8] waits: base [5 6] (its cached prefix) goes after every other candidate, even X, which
+    LRU takes before it. An aLoRA X request [5 6 9 7] waits: base [5 6] and X's suffix [9] go last, so X (which the
+    suffix depends on) waits for them; A and B, not wanted, go as LRU orders them."""
+    w = World("lru")
+    w.fill()
+    w.now = 4.0
+    w.swapper.wanted_kv = lambda: w.tree.prefix_node_ids([w.key(None, [5, 6, 8])])
+    assert w.swapper.make_room(12)
+    assert w.log == [[0, 1], "A", [4], "X", [5], "B", [2, 3]]
+    w.check()
+
+    w = World("lru")
+    w.fill()
+    w.now = 4.0
+    wanted = w.tree.prefix_node_ids([w.key("X", [5, 6, 9, 7], start=2)])
+    assert len(wanted) == 2
+    w.swapper.wanted_kv = lambda: wanted
+    assert w.swapper.make_room(12)
+    assert w.log == [[0, 1], "A", [5], "B", [4], "X", [2, 3]]
+    assert w.kinds()["free"] == 12  # wanted KV only goes last: it never keeps room from a request
+    w.check()
+
+
+def test_prefix_node_ids_is_a_pure_query_over_the_matched_path():
+    w = World("lru")
+    w.fill()
+    before = {n.id: n.last_access for n in w.tree.evictable_leaves()}, w.tree.stats()
+    path = w.tree.prefix_node_ids([w.key("X", [5, 6, 9], start=2)])  # base [5 6] and X's suffix [9]
+    # a match ending inside a run keeps the whole run ([5] of base [5 6]); no match, another namespace or an
+    # adapter with no KV add nothing; a second key on the same path adds nothing either
+    assert w.tree.prefix_node_ids([w.key(None, [5])]) < path
+    assert w.tree.prefix_node_ids([w.key(None, [8]), w.key(None, [5], ns=Namespace("other")),
+                                   w.key("B", [1, 2])]) == set()
+    assert w.tree.prefix_node_ids([w.key("X", [5, 6, 9], start=2), w.key(None, [5, 6])]) == path
+    assert ({n.id: n.last_access for n in w.tree.evictable_leaves()}, w.tree.stats()) == before  # nothing recorded
+    w.check()
+
+
 def test_host_kv_swap_in_gets_what_the_adapters_left_below_the_watermark():
     w = World("lru", sizes={"A": 300, "B": 100})  # idle_watermark 0.7 of 12 slots: 8.4
     asked = []

@@ -157,6 +157,10 @@ class BaseSystem:
 
     # ---- requests -----------------------------------------------------------------------------------
 
+    def set_waiting(self, waiting: list[SimRequest]) -> None:
+        """The waiting queue, in admission order, before each admission pass (a system with a swapper evicts what
+        it wants last, as the live server's `LiveMemory.set_wanted`)."""
+
     def submit(self, sr: SimRequest) -> None:
         name = sr.req.adapter
         self.usage.record_request(name, self.now)

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from eval.sim.hostkv import HOST_KV_BYTES
 from eval.sim.systems.base import BaseSystem
-from eval.sim.systems.request import NS
+from eval.sim.systems.request import NS, SimRequest
 from sgl_multilora.policy import create_policy
 from sgl_multilora.host_tier import HostKVTier, path_key
-from sgl_multilora.swapper import Swapper
+from sgl_multilora.swapper import WANTED_KV_SCAN, Swapper
 from sgl_multilora.tree_nodes import Node
 
 
@@ -50,6 +50,10 @@ class Ours(BaseSystem):
                                dependency=dependency, prefetch=prefetch, headroom_frac=headroom_frac,
                                idle_watermark=idle_watermark, swap_interval_s=swap_period_s,
                                free_kv=self.free_kv, on_evict_kv=self._spill if self.host else None)
+        self._waiting: list = []
+        self._wanted_kv: set[int] | None = None
+        self.swapper.wanted = lambda: {name for name, n in self.waiting.items() if n and name is not None}
+        self.swapper.wanted_kv = self._wanted_kv_ids
         self.name = (f"ours:{policy}" + ("" if dependency else ":no-tree")
                      + ("" if self.host is not None else ":no-host-kv"))
 
@@ -66,6 +70,17 @@ class Ours(BaseSystem):
         self.host.spill(*path_key(node))
 
     # ---- the swapper decides ----------------------------------------------------------------------
+
+    def set_waiting(self, waiting: list[SimRequest]) -> None:
+        """As the live server: adapters waiting requests name and the KV the first WANTED_KV_SCAN of them would
+        reuse are evicted last (the prefixes matched at the first eviction of the pass)."""
+        self._waiting = waiting[:WANTED_KV_SCAN]
+        self._wanted_kv = None
+
+    def _wanted_kv_ids(self) -> set[int]:
+        if self._wanted_kv is None:
+            self._wanted_kv = self.tree.prefix_node_ids(self.key(sr, sr.prompt[:-1]) for sr in self._waiting)
+        return self._wanted_kv
 
     def admission_room(self) -> int:
         """Also the idle adapters' slots, as the live server's `evictable_size` counts them: one pool."""
