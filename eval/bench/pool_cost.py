@@ -14,7 +14,10 @@ conversation starts over after `--max-turns`. One step serves one request as a s
   The pool tracks slot ids and is shared with the adapters (Llama-3-8B q/k/v/o, ranks 8-64, 128 KiB slots).
   `make_room` frees 1% of the pool beyond the request (the swapper's headroom), so a scoring pass serves many
   steps; `ours:lru:headroom=0` evicts only the shortfall, on every step once the pool is full, as stock does:
-  the like-for-like cost of the data structures.
+  the like-for-like cost of the data structures. `ours:<policy>:waiting=N` keeps the last N requests of the
+  stream queued (each step admits the oldest, so it serves the same stream N steps later) and gives the swapper
+  what a server's queue gives it: their adapters and the KV their prefixes match are evicted last, the prefixes
+  matched at the first eviction of a step (`LoraRadixTree.prefix_node_ids`); the timed step includes that work.
 Both start empty and run the stream until the pool is full (eviction has begun) and then `--warmup` steps more, to
 a steady state (with the default 900k slots, about 10k tree nodes and 100 adapters); then `--steps` steps are
 timed one by one (perf_counter, the garbage collector on, as in a server). Arms rotate within each repeat; the
@@ -36,9 +39,11 @@ import random
 import statistics
 import time
 from array import array
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+DEFAULT_ARMS = "stock,ours:elora,ours:lru,ours:lru:headroom=0"
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B bf16: 2 x 32 layers x 8 heads x 128 x 2 B
 BYTES_PER_RANK = 26624 * 32 * 2  # q/k/v/o LoRA A and B rows per rank, 32 layers, bf16 (seed-elora.md A2)
 
@@ -111,7 +116,7 @@ class Stock:
 
 
 class Ours:
-    def __init__(self, args, policy: str, headroom_frac: float = 0.01) -> None:
+    def __init__(self, args, policy: str, headroom_frac: float = 0.01, waiting: int = 0) -> None:
         from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
         from sgl_multilora.policy import create_policy
         from sgl_multilora.policy.usage import UsageStats
@@ -134,9 +139,27 @@ class Ours:
         self.ns, self.names = Namespace("bench-model"), list(sizes)
         self.refs = [AdapterRef(a) for a in self.names]
         self.match_key = MatchKey
+        self.waiting = waiting
+        self.queue: deque[tuple[int, list[int], list[int]]] = deque()
+        self._wanted_kv: set[int] | None = None
+        if waiting:
+            self.swapper.wanted = lambda: {self.names[a] for a, _, _ in self.queue}
+            self.swapper.wanted_kv = self._wanted_kv_ids
+
+    def _wanted_kv_ids(self) -> set[int]:
+        if self._wanted_kv is None:
+            key, ns, refs = self.match_key, self.ns, self.refs
+            self._wanted_kv = self.tree.prefix_node_ids(key(ns, refs[a], prompt) for a, prompt, _ in self.queue)
+        return self._wanted_kv
 
     def step(self, adapter: int, prompt: list[int], full: list[int]) -> None:
         MatchKey = self.match_key
+        if self.waiting:
+            self.queue.append((adapter, prompt, full))
+            if len(self.queue) <= self.waiting:
+                return  # the queue fills (the first steps of the warm-up)
+            adapter, prompt, full = self.queue.popleft()
+            self._wanted_kv = None
         self.now += 0.01
         name, sw, tree, pool = self.names[adapter], self.swapper, self.tree, self.pool
         self.usage.record_request(name, self.now)
@@ -182,11 +205,12 @@ class _InstantLoader:
 
 
 def make_ours(args, arm: str) -> Ours:
-    """`ours:<policy>[:headroom=<fraction>]`; raises ValueError for another form."""
+    """`ours:<policy>[:headroom=<fraction>][:waiting=<requests>]`; raises ValueError for another form."""
     parts = arm.split(":")
-    if parts[0] != "ours" or len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].startswith("headroom=")):
-        raise ValueError(f"unknown arm {arm!r}: stock or ours:<policy>[:headroom=<fraction>]")
-    return Ours(args, parts[1], float(parts[2][9:]) if len(parts) == 3 else 0.01)
+    options = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+    if parts[0] != "ours" or len(parts) < 2 or len(options) != len(parts) - 2 or set(options) - {"headroom", "waiting"}:
+        raise ValueError(f"unknown arm {arm!r}: stock or ours:<policy>[:headroom=<fraction>][:waiting=<requests>]")
+    return Ours(args, parts[1], float(options.get("headroom", 0.01)), int(options.get("waiting", 0)))
 
 
 def measure(arm, args) -> dict:
@@ -223,8 +247,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--pool-slots", default="900000",
                     help="comma-separated pool sizes (slots); 900,000 gives about 10k tree nodes in steady state")
-    ap.add_argument("--arms", default="stock,ours:elora,ours:lru,ours:lru:headroom=0",
-                    help="stock, ours:<policy>[:headroom=<fraction of the pool>] (default headroom 0.01)")
+    ap.add_argument("--arms", default=DEFAULT_ARMS,
+                    help="stock, ours:<policy>[:headroom=<fraction of the pool>][:waiting=<queued requests>] "
+                         "(default headroom 0.01, no queue)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("eval/results/pool_cost.jsonl"))
@@ -278,7 +303,9 @@ def main(argv=None) -> None:
         print("\n".join(lines), flush=True)
     args.out.with_suffix(".md").write_text(
         f"# Per-step cost of the memory system vs SGLang's RadixCache ({datetime.date.today()})\n\n"
-        f"Command: `.venv/bin/python -m eval.bench.pool_cost --pool-slots {args.pool_slots} --repeats {args.repeats}` "
+        f"Command: `.venv/bin/python -m eval.bench.pool_cost --pool-slots {args.pool_slots} --repeats {args.repeats}"
+        f"{'' if args.arms == DEFAULT_ARMS else f' --arms {args.arms}'}"
+        f"{'' if args.out.name == 'pool_cost.jsonl' else f' --out {args.out}'}` "
         f"({args.adapters} adapters, {args.conversations} conversations, {args.steps} timed steps after the pool "
         f"fills and {args.warmup} more warm-up steps). Machine: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, load average at end {os.getloadavg()[0]:.2f}.\n\n" + "\n".join(lines) + "\n")
