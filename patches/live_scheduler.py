@@ -16,10 +16,11 @@ Each admission pass:
 3. SGLang's pass considers only those requests (others are skipped for this pass, keeping their place);
 4. what SGLang did not admit after all (its own memory or batch limits) is re-queued at its arrival position.
 Finished requests return their quota and teach the output-length predictor; a request SGLang retracts (decode out
-of memory) is re-queued. The rank of a base-model request is 0. The timing model (T_exec and T_wait of the bypass
-rule, a queue's service time before any of its requests finished) runs on this server's measured figures: the time
-between consecutive steps while busy, per token of an extend step and per decode step (`TIMING_EMA`), starting
-from the core's defaults until the first step of each kind is measured.
+of memory) is re-queued. The rank of a base-model request is 0; a request's size counts the prompt tokens our tree
+did not hold when it arrived (`SchedRequest.cached_len`: a follow-up turn with its history cached is small). The
+timing model (T_exec and T_wait of the bypass rule, a queue's service time before any of its requests finished) runs
+on this server's measured figures: the time between consecutive steps while busy, per token of an extend step and
+per decode step (`TIMING_EMA`), starting from the core's defaults until the first step of each kind is measured.
 
 Squashes (Chameleon's bypass rule, `sgl_multilora/sched/bypass.py`), before each pass with the unified pool: a
 running request R2 that bypassed a queued R1 (R1's adapter could not be made resident even after evicting every
@@ -81,6 +82,8 @@ class LiveScheduler:
                              overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
+        cache = getattr(scheduler, "tree_cache", None)
+        self._cached_len = getattr(cache, "cached_len", None)  # our radix cache's; None: another cache
         self.planned: set[str] | None = None  # rids the current pass may admit (None: outside a pass)
         self._planned_order: list[str] = []
         self.num_requeued = 0
@@ -109,9 +112,12 @@ class LiveScheduler:
         # adapter_tokens 0: adapter memory is charged once per resident adapter by the pool (and SGLang's budget
         # sees it), not once per request; charging every request its adapter's slots throttled the plan far below
         # what the server could run (eval/results/multiqueue_live.md).
-        self.mq.add(SchedRequest(req.rid, None if spec is None else spec.identity, len(req.origin_input_ids),
+        # cached_len: a follow-up turn whose history is cached brings only its new tokens (request.py)
+        in_len = len(req.origin_input_ids)
+        cached = min(in_len - 1, self._cached_len(req)) if self._cached_len is not None and in_len else 0
+        self.mq.add(SchedRequest(req.rid, None if spec is None else spec.identity, in_len,
                                  rank=0 if spec is None else spec.rank, adapter_tokens=0,
-                                 max_new_tokens=max_new, arrival=self.now()))
+                                 max_new_tokens=max_new, arrival=self.now(), cached_len=cached))
 
     def on_step(self, batch, busy: bool) -> None:
         """A step's result: finished requests leave (teaching the predictor); the step's time is measured when the

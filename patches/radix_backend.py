@@ -108,6 +108,11 @@ class MultiLoRARadixCache(RadixCache):
         tokens = req.origin_input_ids if not req.output_ids else [*req.origin_input_ids, *req.output_ids]
         return self._key_for_req(req, tokens)
 
+    def cached_len(self, req) -> int:
+        """Tokens of a waiting request's prefix the tree holds now (a pure query: no access recorded)."""
+        key = self.waiting_key(req)
+        return 0 if key is None else self.tree.match(key, touch=False).prefix_len
+
     def key_for(self, namespace: Namespace, spec: AdapterSpec | None, token_ids, prompt_ids) -> MatchKey:
         """The tree key of `token_ids` under `namespace` for adapter `spec` (None: the base model); an aLoRA's
         activation start is found in `prompt_ids`, the request's prompt."""

@@ -91,12 +91,14 @@ class MultiQueueScheduler:
         already here or negative sizes."""
         if r.rid in self.queues or r.rid in self._running:
             raise ValueError(f"request {r.rid!r} is already queued or running")
-        if min(r.in_len, r.rank, r.adapter_tokens, r.max_new_tokens or 0) < 0:
+        if min(r.in_len, r.rank, r.adapter_tokens, r.max_new_tokens or 0, r.cached_len) < 0:
             raise ValueError(f"negative size in {r}")
+        if r.cached_len > r.in_len:
+            raise ValueError(f"{r.cached_len} cached tokens in a prompt of {r.in_len}: {r}")
         pred = self.predictor.predict(r.adapter, r.in_len)
         r.pred_out_len = pred if r.max_new_tokens is None else min(pred, r.max_new_tokens)
-        r.cost_tokens = r.in_len + r.pred_out_len + r.adapter_tokens
-        r.wrs = self.plan.normalizer.wrs(r.in_len, r.pred_out_len, r.rank)
+        r.cost_tokens = r.new_len + r.pred_out_len + r.adapter_tokens
+        r.wrs = self.plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank)
         r.seq, self._seq = self._seq, self._seq + 1
         self.queues.push(r, self.plan.route(r.wrs))
         self._window.append(r)
@@ -397,7 +399,7 @@ class MultiQueueScheduler:
         self.plan = plan
 
         def route(r: SchedRequest) -> int:
-            r.wrs = plan.normalizer.wrs(r.in_len, r.pred_out_len, r.rank)
+            r.wrs = plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank)
             return plan.route(r.wrs)
 
         self.queues.reroute(plan.num_queues, route)

@@ -74,9 +74,9 @@ def fit_plan(window: Sequence[SchedRequest], now: float, config: SchedConfig,
              total_tokens: int) -> SchedPlan:
     """Fits a plan on `window` (recent requests, oldest first, at least one). Does not modify the
     requests: their WRS under the new normaliser is computed here, not stored."""
-    norm = fit_normalizer([r.in_len for r in window], [r.pred_out_len for r in window],
+    norm = fit_normalizer([r.new_len for r in window], [r.pred_out_len for r in window],
                           [r.rank for r in window], config.initial_norm, config.norm_quantile)
-    values = [norm.wrs(r.in_len, r.pred_out_len, r.rank) for r in window]
+    values = [norm.wrs(r.new_len, r.pred_out_len, r.rank) for r in window]
     clustering = choose_clustering(values, config.max_queues, config.min_gain)
     span = max(MIN_SPAN_S, now - window[0].arrival)
     members: list[list[SchedRequest]] = [[] for _ in range(clustering.k)]
@@ -96,7 +96,7 @@ def _queue_load(members: Sequence[SchedRequest], span_s: float, config: SchedCon
         service_s = sum(done) / len(done)
     else:
         n = len(members)
-        service_s = config.timing.exec_s(round(sum(r.in_len for r in members) / n),
+        service_s = config.timing.exec_s(round(sum(r.new_len for r in members) / n),
                                          round(sum(r.pred_out_len for r in members) / n))
     return QueueLoad(
         max_cost_tokens=max(r.cost_tokens for r in members),

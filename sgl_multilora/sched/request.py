@@ -19,7 +19,10 @@ class SchedRequest:
     tokens (adapter bytes / KV bytes per token: about 4 r for Llama-7B with q, k, v, o targets);
     the caller knows the model geometry, the scheduler does not. `max_new_tokens` caps the
     predicted output length. `arrival` is on the caller's clock, the one it passes as `now`
-    (arrival rates for the quotas come from it).
+    (arrival rates for the quotas come from it). `cached_len` is how much of the prompt the prefix
+    cache held when the request arrived: the prompt tokens it brings to compute (`new_len`) are
+    what its size (WRS), its charge and its execution time count; the output predictor keys on the
+    whole prompt. A follow-up turn whose history is cached is a small request, not a long one.
     """
 
     rid: str
@@ -29,11 +32,12 @@ class SchedRequest:
     adapter_tokens: int = 0
     max_new_tokens: int | None = None
     arrival: float = 0.0
+    cached_len: int = 0
     # ---- filled in by the scheduler ----
     pred_out_len: int = 0
     wrs: float = 0.0
     cost_tokens: int = 0
-    """in_len + pred_out_len + adapter_tokens: what admission charges, fixed at arrival so that
+    """new_len + pred_out_len + adapter_tokens: what admission charges, fixed at arrival so that
     exactly this much comes back on finish."""
     queue: int = -1
     seq: int = -1
@@ -50,6 +54,11 @@ class SchedRequest:
     """It ran and was taken back (squashed, or retracted by the engine): its first token is
     out, so no slot squash is made for it (slots.py)."""
 
+    @property
+    def new_len(self) -> int:
+        """Prompt tokens to compute: the prompt less what was cached at arrival."""
+        return self.in_len - self.cached_len
+
     def __repr__(self) -> str:
         return (f"SchedRequest({self.rid!r}, adapter={self.adapter!r}, in={self.in_len}, "
                 f"out~{self.pred_out_len}, cost={self.cost_tokens}, q={self.queue})")
@@ -57,7 +66,7 @@ class SchedRequest:
 
 @dataclass(frozen=True)
 class TimingModel:
-    """T_exec(r) = in_len * prefill_s_per_token + pred_out_len * decode_s_per_token.
+    """T_exec(r) = new_len * prefill_s_per_token + pred_out_len * decode_s_per_token.
 
     Deliberately simple: one prefill rate and one time between tokens (TBT), both configured (the
     simulator passes its latency model's figures; a live hook can pass measured ones). Used for the
@@ -76,7 +85,7 @@ class TimingModel:
         return in_len * self.prefill_s_per_token + out_len * self.decode_s_per_token
 
     def request_exec_s(self, r: SchedRequest) -> float:
-        return self.exec_s(r.in_len, r.pred_out_len)
+        return self.exec_s(r.new_len, r.pred_out_len)
 
     def remaining_s(self, r: SchedRequest, now: float) -> float:
         """Predicted time until a running request finishes; 0 once it has overrun its estimate."""

@@ -166,3 +166,20 @@ def test_a_waiting_requests_key_is_what_its_admission_will_match():
                   make_req("salted", lora_id=VICTIM_ID, cache_salt="tenant-2")):
         assert cache.tree.prefix_node_ids([cache.waiting_key(other)]) == set(), other.rid
     assert cache.waiting_key(make_req("unloaded", lora_id="ff" * 16, strict=False)) is None
+
+
+def test_the_multiqueue_scheduler_prices_a_request_by_what_the_tree_does_not_hold():
+    """`LiveScheduler.on_arrival` on real `Req`s and our radix cache: a follow-up whose prompt the tree holds but
+    for its last token is priced by that one token (`SchedRequest.cached_len`); another tenant's identical prompt
+    finds nothing of it (namespaces) and is priced whole."""
+    from sgl_multilora.patches.live_scheduler import LiveScheduler
+
+    cache = tree_cache()
+    cache.tree.insert(cache._key_for_req(make_req("t1", lora_id=VICTIM_ID), PROMPT), list(range(len(PROMPT))))
+    live = LiveScheduler(SimpleNamespace(tree_cache=cache, max_total_num_tokens=10_000))
+    for req in (make_req("t2", lora_id=VICTIM_ID), make_req("other", lora_id=VICTIM_ID, cache_salt="tenant-2")):
+        live.on_arrival(req)
+    t2, other = (live.mq.queues.get(rid) for rid in ("t2", "other"))
+    assert (t2.in_len, t2.cached_len, t2.new_len) == (len(PROMPT), len(PROMPT) - 1, 1)
+    assert (other.cached_len, other.new_len) == (0, len(PROMPT))
+    assert t2.cost_tokens < other.cost_tokens and t2.wrs < other.wrs

@@ -305,3 +305,21 @@ def test_an_overdue_request_larger_than_any_budget_goes_in_once_nothing_runs():
     assert rids(s.build_batch(7.0, budget_tokens=500)) == ["big"]  # nothing runs: it goes in alone
     assert rids(s.build_batch(7.5, budget_tokens=500)) == ["s2"]  # s2 (not overdue) fits the small queue
     s.check_invariants()
+
+
+def test_a_cached_prefix_makes_a_request_small():
+    """A follow-up turn of 900 prompt tokens, 850 of them cached at arrival, brings 50 to compute: WRS
+    0.4 x 50/1000 + 0.6 x 50/1000 = 0.05 puts it in the small queue, and it costs 100 tokens, not 950; an
+    uncached prompt of the same length (0.4 x 0.9 + 0.6 x 0.05 = 0.39) is large."""
+    s = make([300, 800, 1000])
+    follow_up = SchedRequest("turn2", "a", in_len=900, rank=8, max_new_tokens=50, cached_len=850)
+    fresh = SchedRequest("fresh", "a", in_len=900, rank=8, max_new_tokens=50)
+    add_all(s, fresh, follow_up)
+    assert (follow_up.new_len, follow_up.cost_tokens, follow_up.queue) == (50, 100, 0)
+    assert (fresh.new_len, fresh.cost_tokens, fresh.queue) == (900, 950, 2)
+    assert math.isclose(follow_up.wrs, 0.05) and math.isclose(fresh.wrs, 0.39)
+    assert rids(s.build_batch(now=0.0)) == ["turn2", "fresh"]  # the small queue first, though it came second
+    with pytest.raises(ValueError, match="cached tokens in a prompt"):
+        s.add(SchedRequest("bad", "a", in_len=10, rank=8, cached_len=11))
+    with pytest.raises(ValueError, match="negative size"):
+        s.add(SchedRequest("neg", "a", in_len=10, rank=8, cached_len=-1))

@@ -26,9 +26,10 @@ def step(s: MultiQueueScheduler, rng: random.Random, now: float, n: int) -> int:
     if op == "add":
         adapter = rng.choice(["a", "b", "big", None])
         rank = 0 if adapter is None else rng.choice([8, 16, 64])
-        s.add(SchedRequest(f"r{n}", adapter, rng.randint(0, 3000), rank=rank,
-                           adapter_tokens=4 * rank, max_new_tokens=rng.randint(1, 600),
-                           arrival=now))
+        in_len = rng.randint(0, 3000)
+        s.add(SchedRequest(f"r{n}", adapter, in_len, rank=rank, adapter_tokens=4 * rank,
+                           max_new_tokens=rng.randint(1, 600), arrival=now,
+                           cached_len=rng.choice([0, rng.randint(0, in_len)])))
         return n + 1
     running = sorted(s.running)
     if op == "batch":

@@ -5,7 +5,8 @@ Lives here: `MultiQueueAdmission`, the simulator's owner of one `MultiQueueSched
 simulated request, by rid). Not here: queues, WRS, quotas, predictor and bypass rules (`sgl_multilora/sched/`),
 the pass (engine.py) or memory (the system answers the residency and prefetch callbacks).
 
-As live: a request is priced and queued on arrival (rank = its adapter's, 0 for the base model; adapter_tokens 0,
+As live: a request is priced and queued on arrival (rank = its adapter's, 0 for the base model; its cached_len what
+the system's tree holds of its prompt then, as the live hook matches its own tree; adapter_tokens 0,
 since the pool charges an adapter once, not per request; max_new_tokens = its output length, which the live
 driver sends too, so the prediction is capped by the true length); each pass calls `build_batch(now, budget,
 is_resident, prefetch)`; what the engine did not admit after all is re-queued at its arrival position; a finished
@@ -78,8 +79,10 @@ class MultiQueueAdmission(BaseAdmission):
         name = sr.req.adapter
         rank = 0 if name is None else self.system.adapters[name].rank
         self.by_rid[sr.req.rid] = sr
+        tree = self.system.tree
+        cached = 0 if tree is None else tree.match(self.system.key(sr, sr.prompt[:-1]), touch=False).prefix_len
         self.mq.add(SchedRequest(sr.req.rid, name, len(sr.prompt), rank=rank, adapter_tokens=0,
-                                 max_new_tokens=len(sr.output), arrival=sr.submit_s))
+                                 max_new_tokens=len(sr.output), arrival=sr.submit_s, cached_len=cached))
 
     def before_pass(self, loop, now: float) -> None:
         """The slot squash, with a cap on adapters per batch (module docstring)."""
