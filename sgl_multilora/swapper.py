@@ -48,10 +48,10 @@ from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import FreeFn, Node, NodeKind
 
 _KV = NodeKind.KV
+_ADAPTER = NodeKind.ADAPTER
 # Waiting requests, from the queue's head, whose cached prefixes an owner passes as `wanted_kv`: bounds the matching
 # (one tree walk per request) an eviction does under a queue of thousands.
 WANTED_KV_SCAN = 256
-_ADAPTER = NodeKind.ADAPTER
 
 
 @dataclass(slots=True)
