@@ -176,9 +176,6 @@ class LiveMemory:
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
         self.swapper.wanted = lambda: self._wanted
         self.waiting_key = None  # the radix backend's req -> tree key of the prefix it would reuse (None: none)
-        self._waiting: list = []  # the head of the waiting queue at the last pass
-        self._wanted_kv: set[int] | None = None  # ids of the KV nodes its prefixes match, found at first need
-        self.swapper.wanted_kv = self._wanted_kv_ids
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
@@ -339,18 +336,12 @@ class LiveMemory:
     def set_wanted(self, waiting_reqs) -> None:
         """The adapters waiting requests name, and the first WANTED_KV_SCAN requests' cached prefixes (read at each
         admission pass): the swapper evicts both after every other candidate. The prefixes are matched only when
-        an eviction first needs them (`_wanted_kv_ids`), at most once per pass."""
+        an eviction first needs them (`Swapper.set_waiting`), at most once per pass."""
         registry = process_state().adapters
         self._wanted = {i for i in (registry.identity(r.lora_id) for r in waiting_reqs if r.lora_id is not None)
                         if i is not None}
-        self._waiting = list(islice(waiting_reqs, WANTED_KV_SCAN))
-        self._wanted_kv = None
-
-    def _wanted_kv_ids(self) -> set[int]:
-        if self._wanted_kv is None:
-            keys = [k for k in map(self.waiting_key, self._waiting) if k is not None] if self.waiting_key else []
-            self._wanted_kv = self.swapper.tree.prefix_node_ids(keys)
-        return self._wanted_kv
+        head, key = list(islice(waiting_reqs, WANTED_KV_SCAN)), self.waiting_key
+        self.swapper.set_waiting(None if key is None else lambda: filter(None, map(key, head)))
 
     def record_request(self, identity: str | None) -> None:
         self.usage.record_request(identity, self.swapper.tree.clock())

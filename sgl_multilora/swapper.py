@@ -26,7 +26,7 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
   a KV eviction only the newly eligible items are scored.
 - Adapters that waiting requests name (`wanted`, from the scheduler's queue) are evicted after every other
   candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache). So is
-  the KV that waiting requests' prefixes match (`wanted_kv`, node ids: `LoraRadixTree.prefix_node_ids`): a
+  the KV that waiting requests' prefixes match (`set_waiting`, matched by `LoraRadixTree.prefix_node_ids`): a
   follow-up turn queued behind a burst would otherwise lose its history to the requests admitted before it and
   recompute it, more work exactly when the server is short of it; the KV of a conversation not yet back is
   needed later than a queued request's (Belady's order, where the queue is the only foresight there is).
@@ -38,19 +38,20 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import asdict, dataclass
 
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
 from sgl_multilora.residency import AdapterResidency, AdapterState, Loader
+from sgl_multilora.keys import MatchKey
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import FreeFn, Node, NodeKind
 
 _KV = NodeKind.KV
 _ADAPTER = NodeKind.ADAPTER
-# Waiting requests, from the queue's head, whose cached prefixes an owner passes as `wanted_kv`: bounds the matching
-# (one tree walk per request) an eviction does under a queue of thousands.
+# Waiting requests, from the queue's head, whose keys an owner passes to `set_waiting`: bounds the matching (one tree
+# walk per request) an eviction does under a queue of thousands.
 WANTED_KV_SCAN = 256
 
 
@@ -98,10 +99,23 @@ class Swapper:
         self.on_evict_kv = on_evict_kv
         self.kv_prefetch: Callable[[int], int] | None = None
         self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
-        self.wanted_kv: Callable[[], Container[int]] | None = None  # ids of KV nodes they match: evicted last
+        self._waiting_keys: Callable[[], Iterable[MatchKey]] | None = None  # see set_waiting
+        self._wanted_kv: set[int] | None = None  # ids of the KV nodes those keys match, once an eviction asked
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
         self._refused_prefetch: tuple[str, int] | None = None  # (adapter, pool.num_releases after its refusal)
+
+    def set_waiting(self, keys: Callable[[], Iterable[MatchKey]] | None) -> None:
+        """The waiting queue's tree keys (at most WANTED_KV_SCAN of them), given anew before each admission pass:
+        the KV their prefixes match is evicted after every other candidate. `keys` is called, and its prefixes
+        matched, only when an eviction first needs them, at most once per call of `set_waiting`."""
+        self._waiting_keys, self._wanted_kv = keys, None
+
+    def _wanted_kv_ids(self) -> set[int]:
+        if self._wanted_kv is None:
+            keys = self._waiting_keys
+            self._wanted_kv = set() if keys is None else self.tree.prefix_node_ids(keys())
+        return self._wanted_kv
 
     # ---- busy: evict -----------------------------------------------------------------------------
 
@@ -121,7 +135,7 @@ class Swapper:
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
         wanted = self.wanted() if self.wanted is not None else ()
-        wanted_kv = self.wanted_kv() if self.wanted_kv is not None else ()
+        wanted_kv = self._wanted_kv_ids()
         heap = self._heap(protect, now, wanted, wanted_kv)
         while heap and (pool.num_free < target or (run and pool.largest_free_run() < run)):
             item = heapq.heappop(heap)[4]

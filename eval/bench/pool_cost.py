@@ -141,16 +141,8 @@ class Ours:
         self.match_key = MatchKey
         self.waiting = waiting
         self.queue: deque[tuple[int, list[int], list[int]]] = deque()
-        self._wanted_kv: set[int] | None = None
         if waiting:
             self.swapper.wanted = lambda: {self.names[a] for a, _, _ in self.queue}
-            self.swapper.wanted_kv = self._wanted_kv_ids
-
-    def _wanted_kv_ids(self) -> set[int]:
-        if self._wanted_kv is None:
-            key, ns, refs = self.match_key, self.ns, self.refs
-            self._wanted_kv = self.tree.prefix_node_ids(key(ns, refs[a], prompt) for a, prompt, _ in self.queue)
-        return self._wanted_kv
 
     def step(self, adapter: int, prompt: list[int], full: list[int]) -> None:
         MatchKey = self.match_key
@@ -159,7 +151,8 @@ class Ours:
             if len(self.queue) <= self.waiting:
                 return  # the queue fills (the first steps of the warm-up)
             adapter, prompt, full = self.queue.popleft()
-            self._wanted_kv = None
+            key, ns, refs, queue = MatchKey, self.ns, self.refs, self.queue
+            self.swapper.set_waiting(lambda: (key(ns, refs[a], p) for a, p, _ in queue))
         self.now += 0.01
         name, sw, tree, pool = self.names[adapter], self.swapper, self.tree, self.pool
         self.usage.record_request(name, self.now)

@@ -263,7 +263,7 @@ def test_kv_waiting_requests_would_reuse_is_evicted_last():
     w = World("lru")
     w.fill()
     w.now = 4.0
-    w.swapper.wanted_kv = lambda: w.tree.prefix_node_ids([w.key(None, [5, 6, 8])])
+    w.swapper.set_waiting(lambda: [w.key(None, [5, 6, 8])])
     assert w.swapper.make_room(12)
     assert w.log == [[0, 1], "A", [4], "X", [5], "B", [2, 3]]
     w.check()
@@ -271,9 +271,8 @@ def test_kv_waiting_requests_would_reuse_is_evicted_last():
     w = World("lru")
     w.fill()
     w.now = 4.0
-    wanted = w.tree.prefix_node_ids([w.key("X", [5, 6, 9, 7], start=2)])
-    assert len(wanted) == 2
-    w.swapper.wanted_kv = lambda: wanted
+    assert len(w.tree.prefix_node_ids([w.key("X", [5, 6, 9, 7], start=2)])) == 2
+    w.swapper.set_waiting(lambda: [w.key("X", [5, 6, 9, 7], start=2)])
     assert w.swapper.make_room(12)
     assert w.log == [[0, 1], "A", [5], "B", [4], "X", [2, 3]]
     assert w.kinds()["free"] == 12  # wanted KV only goes last: it never keeps room from a request

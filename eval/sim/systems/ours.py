@@ -50,10 +50,7 @@ class Ours(BaseSystem):
                                dependency=dependency, prefetch=prefetch, headroom_frac=headroom_frac,
                                idle_watermark=idle_watermark, swap_interval_s=swap_period_s,
                                free_kv=self.free_kv, on_evict_kv=self._spill if self.host else None)
-        self._waiting: list = []
-        self._wanted_kv: set[int] | None = None
         self.swapper.wanted = lambda: {name for name, n in self.waiting.items() if n and name is not None}
-        self.swapper.wanted_kv = self._wanted_kv_ids
         self.name = (f"ours:{policy}" + ("" if dependency else ":no-tree")
                      + ("" if self.host is not None else ":no-host-kv"))
 
@@ -74,13 +71,8 @@ class Ours(BaseSystem):
     def set_waiting(self, waiting: list[SimRequest]) -> None:
         """As the live server: adapters waiting requests name and the KV the first WANTED_KV_SCAN of them would
         reuse are evicted last (the prefixes matched at the first eviction of the pass)."""
-        self._waiting = waiting[:WANTED_KV_SCAN]
-        self._wanted_kv = None
-
-    def _wanted_kv_ids(self) -> set[int]:
-        if self._wanted_kv is None:
-            self._wanted_kv = self.tree.prefix_node_ids(self.key(sr, sr.prompt[:-1]) for sr in self._waiting)
-        return self._wanted_kv
+        head = waiting[:WANTED_KV_SCAN]
+        self.swapper.set_waiting(lambda: (self.key(sr, sr.prompt[:-1]) for sr in head))
 
     def admission_room(self) -> int:
         """Also the idle adapters' slots, as the live server's `evictable_size` counts them: one pool."""
