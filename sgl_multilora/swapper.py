@@ -5,15 +5,15 @@ Lives here: `Swapper` and its counters. Not here: the scores (`policy/`: a polic
 the order), the slots (`pool.py`), adapter states (`residency.py`), node edits (`tree.py`), the copies (the
 caller's `residency.Loader`) and the host KV tier.
 
-Busy (`make_room`): one heap holds the unlocked KV leaves and the resident adapters that no running request
-uses and no resident KV depends on, lowest score first (ELORA's swap-out of GPU leaves). Popping a KV leaf may
-make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suffix depends on) free of
-dependents: those join the heap. So the resident set stays closed under dependency at every instant: no
+Busy (`make_room`): one order (`_EvictionOrder`) holds the unlocked KV leaves and the resident adapters that no
+running request uses and no resident KV depends on, lowest score first (ELORA's swap-out of GPU leaves). Popping a
+KV leaf may make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suffix depends on) free of
+dependents: those join the order. So the resident set stays closed under dependency at every instant: no
 resident KV of a non-resident adapter (invalid KV == 0), no locked node and no used adapter ever evicted.
 Idle (`tick`): every `swap_interval_s`, while used slots are below `idle_watermark` of the pool, absent
-adapters start loading in descending score, stopping before one would cross the watermark (or at one the loader refused, not retried until the pool frees
-some slot: between releases the free runs only shrink), then the host tier
-(when there is one: `kv_prefetch`) copies back host KV, highest score first, into what is left below the
+adapters start loading in descending score, stopping before one would cross the watermark (or at one the loader
+refused, not retried until the pool frees some slot: between releases the free runs only shrink), then the host
+tier (when there is one: `kv_prefetch`) copies back host KV, highest score first, into what is left below the
 watermark (ELORA's swap-in of adapters and KV).
 
 Choices the paper leaves open (shared/reference/seed-elora.md), and why:
@@ -22,7 +22,7 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
 - A8: "full" means the request's slots do not fit; an eviction then frees `headroom_frac` of the pool beyond
   them (default 1%), so one scoring pass serves several admissions, as one swapper tick would. Usage for the
   idle watermark counts every kind (running KV and in-flight copies included).
-- A10: after each adapter eviction the heap is rebuilt, since Low_lora's N changed and ELORA rescores; after
+- A10: after each adapter eviction the order is rebuilt, since Low_lora's N changed and ELORA rescores; after
   a KV eviction only the newly eligible items are scored.
 - Adapters that waiting requests name (`wanted`, from the scheduler's queue) are evicted after every other
   candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache). So is
@@ -40,6 +40,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Container, Iterable
 from dataclasses import asdict, dataclass
+from operator import attrgetter
+
+import numpy as np
 
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
@@ -49,6 +52,7 @@ from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import FreeFn, Node, NodeKind
 
 _KV = NodeKind.KV
+_node_id = attrgetter("id")
 _ADAPTER = NodeKind.ADAPTER
 # Waiting requests, from the queue's head, whose keys an owner passes to `set_waiting`: bounds the matching (one tree
 # walk per request) an eviction does under a queue of thousands.
@@ -136,13 +140,15 @@ class Swapper:
         now, score = self.tree.clock(), self.policy.score
         wanted = self.wanted() if self.wanted is not None else ()
         wanted_kv = self._wanted_kv_ids()
-        heap = self._heap(protect, now, wanted, wanted_kv)
-        while heap and (pool.num_free < target or (run and pool.largest_free_run() < run)):
-            item = heapq.heappop(heap)[4]
+        order = self._order(protect, now, wanted, wanted_kv)
+        while pool.num_free < target or (run and pool.largest_free_run() < run):
+            item = order.pop()
+            if item is None:
+                break
             if isinstance(item, str):
                 if self._adapter_evictable(item, protect):
                     self._evict_adapter(item)
-                    heap = self._heap(protect, now, wanted, wanted_kv)  # N changed: ELORA rescores (A10)
+                    order = self._order(protect, now, wanted, wanted_kv)  # N changed: ELORA rescores (A10)
                 continue
             if item.is_evicted or item.children or item.lock_ref:
                 continue
@@ -153,12 +159,12 @@ class Swapper:
             c.kv_evicted_slots += self.tree.evict_leaf(item, self.free_kv)
             c.kv_evictions += 1
             if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))
+                order.push((int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))
             for adapter in (parent, dep):
                 if adapter is not None and adapter.kind is _ADAPTER:
                     name = adapter.label.identity
                     if self._adapter_evictable(name, protect):
-                        heapq.heappush(heap, (int(name in wanted), score(self.records[name], now), 1, name, name))
+                        order.push((int(name in wanted), score(self.records[name], now), 1, name, name))
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
     def reachable_slots(self) -> int:
@@ -289,18 +295,15 @@ class Swapper:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _heap(self, protect: str | None, now: float, wanted: Container[str], wanted_kv: Container[int]) -> list:
-        """Candidates as (tier, score, kind, key, item): adapters and KV wanted by waiting requests in tier 1,
-        after everything else; then by score, KV (0) before adapters (1) on equal scores, then node id or
-        adapter id."""
-        score_many, records = self.policy.score_many, self.records
+    def _order(self, protect: str | None, now: float, wanted: Container[str],
+               wanted_kv: Container[int]) -> _EvictionOrder:
+        """Every candidate now, in eviction order (see `_EvictionOrder`): the unlocked KV leaves and the evictable
+        adapters, each keyed (tier, score, kind, id)."""
         leaves = self.tree.evictable_leaves()
-        heap = [(int(n.id in wanted_kv), s, 0, n.id, n) for s, n in zip(score_many(leaves, now), leaves)]
         adapters = [a for a in self.residency.resident_ids() if self._adapter_evictable(a, protect)]
-        heap += [(int(a in wanted), s, 1, a, a)
-                 for s, a in zip(score_many([records[a] for a in adapters], now), adapters)]
-        heapq.heapify(heap)
-        return heap
+        scores = self.policy.score_many([self.records[a] for a in adapters], now)
+        side = [(int(a in wanted), s, 1, a, a) for s, a in zip(scores, adapters)]
+        return _EvictionOrder(leaves, self.policy.score_many(leaves, now), wanted_kv, side)
 
     def adapter_nodes(self, adapter_id: str) -> list[Node]:
         """The adapter's node in every namespace that has one (a snapshot). Pure query."""
@@ -341,3 +344,45 @@ class Swapper:
 
     def _release_kv(self, values: list[int]) -> None:
         self.pool.release("kv_cached", values)
+
+
+class _EvictionOrder:
+    """Candidates in ascending (tier, score, kind, id), popped one at a time: the KV leaves scored at once and sorted
+    as arrays, merged with a small heap of what is pushed later (adapters, and leaves an eviction exposes).
+
+    Tier 1 holds what waiting requests want (evicted after everything else); kind 0 is KV, 1 an adapter (KV first on
+    equal scores); ids break the remaining ties. The order is the one a heap of every candidate's tuple gives, without
+    a tuple per leaf: an evicting step of a large tree ranks thousands of leaves to evict a few dozen, and building and
+    collecting a tuple for each was about half of the ranking's time (eval/bench/pool_cost.py at ~9k nodes)."""
+
+    __slots__ = ("_leaves", "_tiers", "_scores", "_ids", "_order", "_next", "_side")
+
+    def __init__(self, leaves: list[Node], scores: Iterable[float], wanted_kv: Container[int],
+                 side: list[tuple]) -> None:
+        n = len(leaves)
+        ids = np.fromiter(map(_node_id, leaves), np.int64, n)
+        score_arr = np.fromiter(scores, np.float64, n)
+        tiers = (np.fromiter((i in wanted_kv for i in ids.tolist()), np.int8, n) if wanted_kv
+                 else np.zeros(n, np.int8))
+        order = np.lexsort((ids, score_arr, tiers))  # the last key is the primary one
+        self._leaves = leaves
+        self._tiers, self._scores, self._ids = tiers.tolist(), score_arr.tolist(), ids.tolist()
+        self._order = order.tolist()
+        self._next = 0
+        heapq.heapify(side)
+        self._side = side
+
+    def push(self, entry: tuple) -> None:
+        """A candidate that became evictable: (tier, score, kind, id, item)."""
+        heapq.heappush(self._side, entry)
+
+    def pop(self) -> Node | str | None:
+        """The next candidate (a KV node or an adapter id; it may have stopped being evictable since), or None when
+        none is left."""
+        side = self._side
+        if self._next < len(self._order):
+            i = self._order[self._next]
+            if not side or (self._tiers[i], self._scores[i], 0, self._ids[i]) < side[0][:4]:
+                self._next += 1
+                return self._leaves[i]
+        return heapq.heappop(side)[4] if side else None

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from operator import attrgetter
 
 import numpy as np
 
 from sgl_multilora.policy.base import BasePolicy
 from sgl_multilora.policy.context import PolicyContext
 from sgl_multilora.policy.registry import register
+
+_last_access = attrgetter("last_access")
 
 TERMS = ("lora_count", "cost", "visit", "recency")
 """Names of the factors of Eval; ELORA's ablations drop one each (WOL, WOC, WOV, WOU)."""
@@ -179,7 +182,7 @@ class EloraPolicy(BasePolicy):
                 v = visits / ctx.total_visits()
                 total += np.where(v > 0, np.log(v), -np.inf)
         if "recency" not in drop:
-            last = np.fromiter((i.last_access for i in items), np.float64, len(items))
+            last = np.fromiter(map(_last_access, items), np.float64, len(items))
             t = np.maximum(0.0, now - last) / self.tau_s
             total -= t + np.log1p(np.exp(-t))  # log(1 - sigmoid(t)) for t >= 0
         return total.tolist()

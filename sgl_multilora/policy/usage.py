@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import numpy as np
 
 from sgl_multilora.policy.context import AdapterRecord
 from sgl_multilora.policy.elora import expected_adapters_per_batch
 from sgl_multilora.tree_nodes import Node, NodeKind
+
+_ADAPTER = NodeKind.ADAPTER
+_kind, _key, _hits = attrgetter("kind"), attrgetter("key"), attrgetter("hits")
 
 
 class UsageStats:
@@ -138,11 +142,12 @@ class UsageStats:
 
     def columns(self, items: Sequence[object]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         n = len(items)
+        if not n or (set(map(type, items)) == {Node} and _ADAPTER not in set(map(_kind, items))):
+            # KV nodes only (the evictor's usual batch: the tree's leaves, thousands of them): C-level passes
+            lens = np.fromiter(map(len, map(_key, items)), np.float64, n)
+            visits = np.fromiter(map(sum, map(dict.values, map(_hits, items))), np.float64, n) + 1
+            return np.zeros(n, bool), lens * self.kv_bytes_per_token, lens * self.kv_reload_s_per_token, visits
         is_adapter = np.fromiter((isinstance(i, AdapterRecord) or i.kind is NodeKind.ADAPTER for i in items), bool, n)
-        if not is_adapter.any():  # KV nodes only (the evictor's usual batch: the tree's leaves)
-            lens = np.fromiter((len(i.key) for i in items), np.float64, n)
-            visits = np.fromiter((sum(i.hits.values()) for i in items), np.float64, n) + 1
-            return is_adapter, lens * self.kv_bytes_per_token, lens * self.kv_reload_s_per_token, visits
         rows = [(self.size_bytes(i), self.reload_cost_s(i), self.visits(i)) for i in items]
         size, cost, visits = (np.array(c, dtype=np.float64) for c in zip(*rows))
         return is_adapter, size, cost, visits

@@ -14,7 +14,12 @@ t=3.5 B request [7]          -> B's KV   [5]                                  (p
 
 from __future__ import annotations
 
+import heapq
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_multilora.keys import AdapterRef, MatchKey, Namespace
 from sgl_multilora.policy import create_policy
@@ -23,8 +28,9 @@ from sgl_multilora.policy.context import AdapterRecord
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
 from sgl_multilora.residency import AdapterResidency
-from sgl_multilora.swapper import Swapper
+from sgl_multilora.swapper import Swapper, _EvictionOrder
 from sgl_multilora.tree import LoraRadixTree
+from sgl_multilora.tree_nodes import Node, NodeKind
 
 NS = Namespace("m")
 SIZES = {"A": 300, "B": 100, "X": 200}
@@ -476,3 +482,34 @@ def test_a_load_no_eviction_can_satisfy_evicts_nothing():
     assert w.swapper.reachable_slots() == w.residency.entry("A").num_slots
     base_kv = w.tree.match(w.key(None, [5, 6])).kv_values
     assert w.swapper.load("A") and w.log == [base_kv]  # the base KV went; B and X, still held, stayed
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from([-math.inf, -2.0, -1.0, 0.0, 0.5])), max_size=40),
+       st.lists(st.tuples(st.integers(0, 1), st.sampled_from([-math.inf, -1.0, 0.0, 0.5]), st.integers(0, 1)),
+                max_size=12),
+       st.lists(st.integers(0, 3), max_size=40))
+def test_eviction_order_is_the_heap_order_of_every_candidate(leaves, side, pushes_after):
+    """`_EvictionOrder` (leaves sorted as arrays, merged with a heap of what is pushed later) pops exactly what one
+    heap of every candidate's (tier, score, kind, id) tuple pops, with candidates pushed between pops and scores tied
+    (node ids are shuffled against creation order, adapter ids are strings)."""
+    nodes = [Node(NodeKind.KV, id=(7919 * i) % 1009) for i in range(len(leaves))]
+    wanted_kv = {n.id for n, (tier, _) in zip(nodes, leaves) if tier}
+    initial = [(int(a in ("a1",)), s, 1, a, a) for a, s in (("a0", 0.0), ("a1", -1.0), ("a2", 0.5))]
+    extra = []  # what an eviction exposes later: a parent (kind 0, a fresh id) or an adapter (kind 1)
+    for j, (tier, s, kind) in enumerate(side):
+        item = Node(NodeKind.KV, id=2000 + j) if kind == 0 else f"b{j}"
+        extra.append((tier, s, kind, item.id if kind == 0 else item, item))
+    order = _EvictionOrder(nodes, [s for _, s in leaves], wanted_kv, list(initial))
+    ref = [(int(n.id in wanted_kv), s, 0, n.id, n) for n, (_, s) in zip(nodes, leaves)] + list(initial)
+    heapq.heapify(ref)
+    got, want, k = [], [], 0
+    for after in pushes_after + [0] * (len(nodes) + len(extra) + 3):
+        for _ in range(after):
+            if k < len(extra):
+                order.push(extra[k])
+                heapq.heappush(ref, extra[k])
+                k += 1
+        got.append(order.pop())
+        want.append(heapq.heappop(ref)[4] if ref else None)
+    assert got == want
