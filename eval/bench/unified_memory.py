@@ -5,6 +5,9 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   slots shared by adapter weights and KV, evicted and prefetched by `--policy`.
 - `ours-mq` (optional): `ours` with the multi-queue scheduler (`--multilora-scheduler multiqueue`, TTFT SLO
   `--slo-s`): the whole stack, adapter-slot squashes included; next to `ours` it shows what the scheduler adds.
+- `<arm>-drain` (optional, any arm): that arm with SGLang's LoRA drainer (`--lora-drain-wait-threshold
+  --drain-wait-s`), so a baseline can run with and without it in one run: the drainer helps one workload and hurts
+  another, and the baseline is reported at its best.
 - `stock`: SGLang's own prefix cache and SGLang's memory split: slot buffers for `--max-loras-per-batch` adapters
   of `--max-lora-rank` over the adapters' target modules are taken off the same budget, and the KV pool gets the
   rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
@@ -117,7 +120,10 @@ def main() -> None:
     parser.add_argument("--server-args", default="",
                         help="more SGLang flags for every arm alike (e.g. '--lora-drain-wait-threshold 2')")
     parser.add_argument("--arms", default="ours,stock",
-                        help="which arms to run (comma-separated): ours, ours-mq, stock")
+                        help="which arms to run (comma-separated): ours, ours-mq, stock, and any of them with "
+                        "-drain appended")
+    parser.add_argument("--drain-wait-s", type=float, default=2.0,
+                        help="the -drain arms' --lora-drain-wait-threshold (seconds)")
     parser.add_argument("--slo-s", type=float, default=2.0, help="the ours-mq arm's --multilora-ttft-slo-s")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
     parser.add_argument("--plot-only", action="store_true",
@@ -150,6 +156,9 @@ def main() -> None:
                                        f"{args.slo_s:g}"]),
         "stock": (args.pool_tokens - buffer_tokens, common),
     }
+    for name in list(arms):
+        tokens, extra = arms[name]
+        arms[f"{name}-drain"] = (tokens, [*extra, "--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"])
     unknown = [a for a in args.arms.split(",") if a not in arms]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(arms)}")
@@ -209,6 +218,14 @@ def main() -> None:
             handle.stop()
 
 
+COLORS = {"stock": "tab:gray", "ours": "tab:blue", "ours-mq": "tab:green"}
+
+
+def ordered_arms(names) -> list[str]:
+    """The arms among `names` in report order: stock, ours, ours-mq, each followed by its -drain variant."""
+    return [a for base in COLORS for a in (base, f"{base}-drain") if a in names]
+
+
 def plot_ttft(raw: Path, png: Path) -> Path:
     """The TTFT distribution (CDF, log time axis) of every request in the request log `raw`, one panel per rate,
     one line per arm, all repeats pooled; saved as `png`."""
@@ -225,11 +242,12 @@ def plot_ttft(raw: Path, png: Path) -> Path:
             ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
     fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
     for ax, rate in zip(axes[0], sorted(ttfts)):
-        for arm, color in (("stock", "tab:gray"), ("ours", "tab:blue"), ("ours-mq", "tab:green")):
-            xs = sorted(ttfts[rate].get(arm, []))
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=color,
-                        label=f"{arm} (n={len(xs)}, P99 {nearest_rank(xs, 99):.1f} s)")
+        for arm in ordered_arms(ttfts[rate]):
+            xs = sorted(ttfts[rate][arm])
+            base = arm.removesuffix("-drain")
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS[base],
+                    linestyle="--" if arm.endswith("-drain") else "-",
+                    label=f"{arm} (n={len(xs)}, P99 {nearest_rank(xs, 99):.1f} s)")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_title(f"{rate:.2f} req/s")
@@ -252,10 +270,12 @@ def report(record: dict) -> str:
              f"{s['max_loras_per_batch']} x rank {s['max_lora_rank']}, {s['stock_kv_tokens']} to KV); adapters "
              f"{s['adapter_bytes_total'] / 2**20:.0f} MiB = {s['adapter_bytes_total'] / 46080:.0f} slots; policy "
              f"{s['policy']}; {'every arm ' + repr(s['server_args']) + '; ' if s.get('server_args') else ''}"
+             f"{'arms ' + repr(s['arms']) + '; ' if s.get('arms') else ''}"
              f"{s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
              "| rate (req/s) | arm | mean TTFT s (min-max) | P50 TTFT s | P99 TTFT s (min-max) | cached share | "
              "failed |", "|---|---|---|---|---|---|---|"]
-    arms = [a for a in ("stock", "ours", "ours-mq") if any(r["arm"] == a for r in runs)]
+    arms = ordered_arms({r["arm"] for r in runs})
+    baselines = [a for a in arms if a.startswith("stock")]
     for scale in s["time_scales"]:
         for arm in arms:
             rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
@@ -271,13 +291,13 @@ def report(record: dict) -> str:
                 f"{med('p50_ttft_s'):.2f} | {med('p99_ttft_s'):.2f} ({min(r['p99_ttft_s'] for r in rs):.2f}-"
                 f"{max(r['p99_ttft_s'] for r in rs):.2f}) | {med('cached_token_share'):.2f} | "
                 f"{sum(r['num_failed'] for r in rs)} |")
-    for ours in [a for a in arms if a != "stock"]:
-        lines += ["", f"Ratios {ours} / stock per repeat (median, min-max):", ""]
+    for ours, stock in [(a, b) for b in baselines for a in arms if a not in baselines]:
+        lines += ["", f"Ratios {ours} / {stock} per repeat (median, min-max):", ""]
         for scale in s["time_scales"]:
             pairs = []
             for rep in range(s["repeats"]):
                 o = [r for r in runs if r["arm"] == ours and r["repeat"] == rep and r["time_scale"] == scale]
-                k = [r for r in runs if r["arm"] == "stock" and r["repeat"] == rep and r["time_scale"] == scale]
+                k = [r for r in runs if r["arm"] == stock and r["repeat"] == rep and r["time_scale"] == scale]
                 if o and k and o[0].get("num_ok") and k[0].get("num_ok"):
                     pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"],
                                   o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
@@ -286,7 +306,7 @@ def report(record: dict) -> str:
                 lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
                              f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
                              f"({min(p99_r):.2f}-{max(p99_r):.2f})")
-    for ours in [a for a in arms if a != "stock"]:
+    for ours in [a for a in arms if a not in baselines]:
         last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
         if last and "lora_batch_skips" in last[-1]:
             keys = ("adapter_loads", "adapter_evictions", "prefetches", "skipped_admissions", "starvation_holds",
