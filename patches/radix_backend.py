@@ -57,8 +57,7 @@ class MultiLoRARadixCache(RadixCache):
         super().__init__(params)
         allocator = self.token_to_kv_pool_allocator
         if isinstance(allocator, UnifiedTokenAllocator):
-            self.memory = LiveMemory(allocator, self.tree)
-            self.memory.waiting_key = self.waiting_key
+            self.memory = LiveMemory(allocator, self.tree, waiting_key=self.waiting_key)
             state = process_state()
             for lora_id, adapter in state.adapters.loaded_items():
                 self.memory.register(lora_id, adapter)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from itertools import islice
 
 import numpy as np
@@ -40,6 +41,7 @@ from sgl_multilora.patches.state import process_state
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sgl_multilora.adapters import LoadedAdapter
+from sgl_multilora.keys import MatchKey
 from sgl_multilora.policy import create_policy
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
@@ -142,7 +144,10 @@ def _slot_ids(indices) -> np.ndarray:
 class LiveMemory:
     """The scheduler process's adapter memory over one `UnifiedTokenAllocator` (see the module docstring)."""
 
-    def __init__(self, allocator: UnifiedTokenAllocator, tree: LoraRadixTree) -> None:
+    def __init__(self, allocator: UnifiedTokenAllocator, tree: LoraRadixTree,
+                 waiting_key: Callable[[object], MatchKey | None] | None = None) -> None:
+        """`waiting_key(req)`: the tree key of the prefix a queued request would reuse, None for none (the radix
+        backend's `MultiLoRARadixCache.waiting_key`); without it the waiting queue's prefixes are not protected."""
         args = flags.current()
         self.allocator = allocator
         self.pool = allocator.pool
@@ -175,7 +180,7 @@ class LiveMemory:
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
         self.swapper.wanted = lambda: self._wanted
-        self.waiting_key = None  # the radix backend's req -> tree key of the prefix it would reuse (None: none)
+        self.waiting_key = waiting_key
 
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
