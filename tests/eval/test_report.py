@@ -184,3 +184,30 @@ def test_memory_plot_takes_one_repeat_per_rate(tmp_path):
     assert sorted(p.name for p in pngs) == ["memory_chatbot_ours.png", "ttft_vs_rate_chatbot.png"]
     # the table's peak memory is per repeat: repeat 1 peaks at 3 MiB, repeat 2 at 4 MiB
     assert "| kv 4 (3-4) |" in md.read_text()
+
+
+def test_unified_memory_report_gives_ratios_against_every_baseline_per_repeat():
+    """`eval/bench/unified_memory.py`'s report: arms in order (each -drain variant after its arm), and per-repeat
+    ratios of every non-stock arm against each stock arm, figures worked out by hand."""
+    from eval.bench.unified_memory import ordered_arms, report
+
+    assert ordered_arms({"ours-mq", "stock-drain", "ours", "stock", "ours-drain"}) == [
+        "stock", "stock-drain", "ours", "ours-drain", "ours-mq"]
+    means = {"stock": (2.0, 4.0), "stock-drain": (1.0, 2.0), "ours-mq": (0.5, 1.5)}  # per repeat
+    p99s = {"stock": (8.0, 10.0), "stock-drain": (4.0, 5.0), "ours-mq": (2.0, 1.0)}
+    runs = [{"arm": arm, "repeat": rep, "time_scale": 1.0, "rate_req_s": 2.0, "num_ok": 10, "num_failed": 0,
+             "mean_ttft_s": means[arm][rep], "p50_ttft_s": 1.0, "p99_ttft_s": p99s[arm][rep],
+             "cached_token_share": 0.0} for arm in means for rep in (0, 1)]
+    setup = {"workload": "translation", "params": {}, "num_requests": 10, "pool_tokens": 6000,
+             "stock_buffer_tokens": 2560, "max_loras_per_batch": 4, "max_lora_rank": 64, "stock_kv_tokens": 3440,
+             "adapter_bytes_total": 46080, "policy": "elora", "repeats": 2, "time_scales": [1.0],
+             "arms": {"stock": [], "stock-drain": ["--lora-drain-wait-threshold", "2"]}}
+    text = report({"setup": setup, "runs": runs, "device": {}, "date": "2026-11-27T00:00:00"})
+    rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| 2.00 |")]
+    assert rows == ["stock", "stock-drain", "ours-mq"]
+    # ours-mq / stock: means 0.25 and 0.375 (median 0.3125), P99 0.25 and 0.1 (median 0.175)
+    assert "Ratios ours-mq / stock per repeat" in text and "mean TTFT 0.31 (0.25-0.38), P99 TTFT 0.17 (0.10-0.25)" in text
+    # ours-mq / stock-drain: means 0.5 and 0.75, P99 0.5 and 0.2
+    assert "Ratios ours-mq / stock-drain per repeat" in text
+    assert "mean TTFT 0.62 (0.50-0.75), P99 TTFT 0.35 (0.20-0.50)" in text
+    assert "Ratios stock-drain / stock" not in text  # baselines are not compared with each other
