@@ -68,6 +68,9 @@ class MultiLoRAArgs:
     ttft_slo_s: float = 5.0
     # multiqueue: a request queued this long goes before every queue, oldest first (seconds; 0: never).
     overdue_s: float = 0.0
+    # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
+    # gets one by a slot squash, whatever the prediction says.
+    slot_squash_share: float = 0.5
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -269,6 +272,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="multiqueue: a request waiting S seconds goes before every queue, oldest first, and holds back "
         "younger requests until it fits; bounds the longest wait at the cost of FCFS order once most requests "
         "are that late (0: never, the published algorithm).",
+    )
+    group.add_argument(
+        "--multilora-slot-squash-share",
+        type=_fraction,
+        default=MultiLoRAArgs.slot_squash_share,
+        metavar="FRACTION",
+        help="multiqueue: a request that has waited this share of --multilora-ttft-slo-s for one of "
+        "--max-loras-per-batch adapter slots gets one: the running requests of the adapter cheapest to recompute "
+        "are retracted (before that, only a predicted SLO miss does it). Lower: shorter first-token waits, longer "
+        "end-to-end times for the retracted requests.",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -11,7 +11,9 @@ the TTFT SLO (median and spread over repeats); ratios multiqueue / fcfs per repe
 Baselines at their best: `fcfs-drain` is fcfs with SGLang's LoRA drainer (`--lora-drain-wait-threshold` at half the
 SLO: an adapter waiting that long for a batch slot stops new admissions of the running adapter closest to done),
 the stock answer to the per-batch adapter cap that the multi-queue's slot squash also answers. Optional arm
-`multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first).
+`multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first). Optional arm
+`multiqueue-squash25`: multiqueue with `--multilora-slot-squash-share 0.25` (a slot squash after a quarter of the SLO
+spent waiting for an adapter slot, not half).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT).
@@ -69,7 +71,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
     args = parser.parse_args()
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
-             "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"]}
+             "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"],
+             "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"]}
     unknown = [a for a in args.arms.split(",") if a not in known]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")

@@ -48,6 +48,7 @@ class SimConfig:
     admission: str = "fcfs"  # admission policy: fcfs, lpm or multiqueue (eval/sim/admission/)
     max_loras_per_batch: int | None = None  # SGLang's cap on distinct adapters per batch (base one); None: none
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
+    slot_squash_share: float = 0.5  # multiqueue with a cap: --multilora-slot-squash-share (SchedConfig)
 
 
 @dataclass

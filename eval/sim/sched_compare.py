@@ -100,7 +100,7 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
     params = workload_params(rate, args.window_s)
     w = generate(params, seed)
     config = SimConfig(admission=policy, ttft_slo_s=slo_s or SimConfig.ttft_slo_s,
-                       max_loras_per_batch=args.max_loras_per_batch)
+                       max_loras_per_batch=args.max_loras_per_batch, slot_squash_share=args.slot_squash_share)
     start = time.perf_counter()
     run = simulate(args.system, w.adapters, w.requests, experiment="sim_chameleon", lat=lat, config=config)
     wall = time.perf_counter() - start
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system", default="ours:chameleon", help="the simulated system every policy runs on")
     ap.add_argument("--max-loras-per-batch", type=int, default=None,
                     help="SGLang's cap on distinct adapters per batch, every policy alike (default: none)")
+    ap.add_argument("--slot-squash-share", type=float, default=SimConfig.slot_squash_share,
+                    help="multiqueue's --multilora-slot-squash-share (with a cap)")
     ap.add_argument("--out", default="eval/results/sim_chameleon")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)

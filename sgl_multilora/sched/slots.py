@@ -22,9 +22,10 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    next batch (one batch only: a beneficiary that cannot go in then, its cost over the budget or its
    adapter evicted meanwhile, must not hold the slot from everyone else). "Would miss": its wait so
    far plus the predicted time until some running adapter's last request finishes exceeds the SLO,
-   or it has already waited `STALE_SHARE` of the SLO (the prediction was wrong: an output-length
-   predictor underestimates long decodes). The victim adapter is the one cheapest to recompute (the
-   prompt and output tokens of its running requests), among those whose requests may all still be
+   or it has already waited `config.slot_squash_share` of the SLO (the prediction was wrong: an
+   output-length predictor underestimates long decodes; lower squashes sooner, config.py). The
+   victim adapter is the one cheapest to recompute (the prompt and output tokens of its running
+   requests), among those whose requests may all still be
    squashed (`max_squashes` each) and whose recompute takes less than the SLO at the timing model's
    prefill rate. Bounds: one squash at a time (none while a reservation is pending), a request
    squashed at most `max_squashes` times, and a retracted request is never R1 (its first token is
@@ -38,10 +39,6 @@ from dataclasses import dataclass, field
 
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.request import SchedRequest, TimingModel
-
-STALE_SHARE = 0.5
-"""R1 is squashed for once it has waited this share of the TTFT SLO for a slot, whatever the
-prediction says."""
 
 
 @dataclass
@@ -104,7 +101,7 @@ def choose_slot_squash(r1: SchedRequest,
     wait = slot_free_in_s(known, now, config.timing)
     age = now - r1.arrival
     slo = config.ttft_slo_s
-    if age + wait <= slo and age < STALE_SHARE * slo:
+    if age + wait <= slo and age < config.slot_squash_share * slo:
         return None
     best: tuple[tuple[int, int], str | None, list[SchedRequest]] | None = None
     for adapter, reqs in running.items():

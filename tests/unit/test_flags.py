@@ -39,6 +39,7 @@ def test_defaults_and_values(tmp_path):
         (["--multilora-eviction-policy", "fifo"], "invalid choice: 'fifo'"),
         (["--multilora-idle-watermark", "1.5"], "is not a number between 0 and 1"),
         (["--multilora-swap-interval-ms", "0"], "is not a positive number"),
+        (["--multilora-slot-squash-share", "-0.1"], "is not a number between 0 and 1"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, message, capsys):
@@ -81,6 +82,8 @@ def test_memory_flags(monkeypatch):
     ours = flags.pop_from_namespace(ns)
     assert (ours.memory, ours.eviction_policy, ours.idle_watermark, ours.swap_interval_ms) == (
         "separate", "lru", 0.5, 20.0)
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-squash-share", "0.25"])
+    assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:

@@ -206,6 +206,27 @@ def test_no_squash_while_a_slot_frees_in_time_and_one_once_half_the_slo_is_spent
     assert s.slot_squash(1.0, {"a": ["a1"]}, 2, recompute) is None
 
 
+@pytest.mark.parametrize("share, fires_at", [(0.25, 0.5), (0.0, 0.0), (1.0, None)])
+def test_the_slot_squash_share_sets_how_long_a_request_waits_for_a_slot(share, fires_at):
+    """`slot_squash_share` of the 2 s SLO: with a1 predicted to finish in time, the squash fires once c1 has waited
+    that share (0: at once; 1: only a predicted miss, never here before 1.9 s)."""
+    s = make(slot_squash_share=share)
+    s.add(req("a1", "a", out_len=5))
+    s.add(req("b1", "b", out_len=100))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=2)
+    s.add(req("c1", "c", arrival=0.0))
+    for t in (0.0, 0.49, 0.5, 1.0, 1.9):
+        sq = s.slot_squash(t, running_map(s), 2, recompute)
+        expected = fires_at is not None and t >= fires_at
+        assert (sq is not None) is expected, (share, t)
+        assert sq is None or (sq.beneficiary.rid, sq.adapter) == ("c1", "a")
+
+
+def test_slot_squash_share_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="slot_squash_share"):
+        make(slot_squash_share=1.5)
+
+
 def test_squash_bounds_resumed_beneficiaries_repeat_victims_excluded_and_costly_adapters():
     s = make()
     s.add(req("a1", "a"))

@@ -61,7 +61,8 @@ class MultiQueueAdmission(BaseAdmission):
         sched_config = SchedConfig(total_tokens=system.kv_pool.num_slots, ttft_slo_s=config.ttft_slo_s,
                                    initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
                                                               max_rank=max_rank),
-                                   timing=timing, overdue_s=self.overdue_s(config))
+                                   timing=timing, overdue_s=self.overdue_s(config),
+                                   slot_squash_share=config.slot_squash_share)
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
