@@ -102,9 +102,29 @@ def launch(
     """Starts `python -m sglang.launch_server` and returns once `/health_generate` answers 200. Call it from the
     thread that outlives the server (on Linux the server is stopped when the launching thread's process exits).
 
-    Raises ServerStartError with the end of the server's log if it exits or does not become ready in time.
+    Raises ServerStartError with the end of the server's log if it exits or does not become ready in time. A server
+    whose HTTP port was taken between `free_port` and its bind (SGLang's own processes pick ports too) logs the bind
+    error and never becomes ready: with the port chosen here it is stopped and started again on another, at most
+    `PORT_RETRIES` times; with the caller's port that is an error at once.
     """
-    port = port or free_port()
+    error = None
+    for _ in range(1 if port is not None else PORT_RETRIES + 1):
+        try:
+            return _launch_once(model_path, extra_args, port or free_port(), log_path, env, ready_timeout_s, python)
+        except _PortTaken as e:
+            error = e
+    raise ServerStartError(str(error))
+
+
+PORT_RETRIES = 2
+
+
+class _PortTaken(ServerStartError):
+    pass
+
+
+def _launch_once(model_path, extra_args, port: int, log_path, env, ready_timeout_s: float,
+                 python: str) -> ServerHandle:
     log_path = Path(log_path or f"/tmp/sgl_multilora_server_{port}.log")
     command = [
         python, "-m", "sglang.launch_server", "--model-path", str(model_path),
@@ -119,7 +139,11 @@ def launch(
     log.close()
     handle = ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, command=command)
     deadline = time.monotonic() + ready_timeout_s
+    bind_error = f"('127.0.0.1', {port}): address already in use"
     while time.monotonic() < deadline:
+        if bind_error in handle.log_tail():
+            handle.stop(timeout_s=10.0)
+            raise _PortTaken(f"port {port} was taken before the server could bind it; log {log_path}")
         if not handle.alive():
             raise ServerStartError(
                 f"server exited with code {process.returncode} during start-up; log {log_path}:\n{handle.log_tail()}"
