@@ -10,13 +10,14 @@ import torch
 
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.jit import jit_kernel, tl
-from sgl_multilora.triton_kernels.shrink import MIN_BLOCK, token_block
+from sgl_multilora.triton_kernels.shrink import MIN_BLOCK, rank_tile, token_block
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
 
 def expand_config(max_tokens: int, max_slice_width: int, max_rank: int, num_slots: int = 1) -> dict[str, int]:
-    """Launch config by shape (a heuristic; the token block as shrink's)."""
-    block_r = max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length())
+    """Launch config by shape (a heuristic; the token and rank tiles as shrink's: a rank above the tile is looped
+    over)."""
+    block_r = rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_n = 128 if max_slice_width >= 128 else max(MIN_BLOCK, 1 << (max_slice_width - 1).bit_length())
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n}
@@ -44,8 +45,6 @@ def lora_expand(
 
     widths = [b - a for a, b in zip(weights.slice_offsets, weights.slice_offsets[1:])]
     cfg = config or expand_config(num_rows, max(widths), weights.max_rank, weights.num_slots)
-    if cfg["BLOCK_R"] < weights.max_rank:
-        raise ValueError(f"BLOCK_R {cfg['BLOCK_R']} is below the maximum rank {weights.max_rank}")
     tab = weights.tables()
     num_n = triton.cdiv(max(widths), cfg["BLOCK_N"])
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), weights.num_slots, weights.num_slices * num_n)
@@ -75,17 +74,20 @@ def _expand_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_len
     rows = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < width
     b_ptr = tl.load(b_ptrs_ptr + slot * num_slices + sl).to(tl.pointer_type(y_ptr.dtype.element_ty))
     b_row_stride = tl.load(b_row_stride_ptr + slot)
-    tt = tl.load(t_ptr + rows[:, None] * stride_tm + sl * t_slice_stride + offs_r[None, :],
-                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    bt = tl.load(b_ptr + offs_n[None, :] * b_row_stride + offs_r[:, None],
-                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-    acc = tl.dot(tt.to(y_ptr.dtype.element_ty), bt) * tl.load(scalings_ptr + slot)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for r_begin in range(0, rank, BLOCK_R):  # this slot's own rank tiles only
+        offs_r = r_begin + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        tt = tl.load(t_ptr + rows[:, None] * stride_tm + sl * t_slice_stride + offs_r[None, :],
+                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        bt = tl.load(b_ptr + offs_n[None, :] * b_row_stride + offs_r[:, None],
+                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(tt.to(y_ptr.dtype.element_ty), bt)
+    acc = acc * tl.load(scalings_ptr + slot)
     out = y_ptr + rows[:, None] * stride_ym + n_begin + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y_old = tl.load(out, mask=mask, other=0.0)

@@ -22,6 +22,17 @@ def token_block(max_tokens: int, num_slots: int) -> int:
 
 
 TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100 / H200
+RANK_CHUNK = 32
+"""The widest rank tile one program computes. The kernels tile every slot of a launch at one width, so without a
+cap a batch mixing ranks 8..128 computed every adapter at 128 (measured on an H100: as slow as all at rank 128);
+above the cap, shrink splits the rank over programs and expand loops over it, each slot over its own rank's tiles
+only. 32 against 64 and no cap (128), interleaved on an H100 over 1,056 shapes and 40 whole layers, chosen by the
+lowest geometric mean: eval/results/lora_step_gpu.md."""
+
+
+def rank_tile(max_rank: int) -> int:
+    """BLOCK_R: the largest rank rounded up to a power of two (at least MIN_BLOCK), at most RANK_CHUNK."""
+    return min(max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length()), max(MIN_BLOCK, RANK_CHUNK))
 
 
 def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: int = 1,
@@ -30,12 +41,13 @@ def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: i
     bandwidth-bound and needs enough programs streaming A at once: K is split across programs until the launch has
     about TARGET_PROGRAMS busy ones (measured on an H200: without the split, 128 decode tokens on one adapter of
     `down` ran 2 programs and took 7x the time of 64 tokens; eval/results/lora_kernels.md)."""
-    block_r = max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length())
+    block_r = rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_k = 128 if block_r <= 32 else 64
-    # Busy (slot, token block) pairs: at least the token blocks, and up to one per slot when tokens are spread.
+    # Busy (slot, token block, rank tile) triples: at least the token blocks, up to one per slot when tokens are
+    # spread.
     m_blocks = -(-max_tokens // block_m)
-    busy = max(m_blocks, min(num_slots, max_tokens)) * num_slices
+    busy = max(m_blocks, min(num_slots, max_tokens)) * num_slices * -(-max(max_rank, 1) // block_r)
     split_k = 1
     while split_k < 16 and busy * split_k * 2 <= TARGET_PROGRAMS and in_features // (split_k * 2) >= 2 * block_k:
         split_k *= 2
@@ -66,33 +78,33 @@ def lora_shrink(
 
     cfg = config or shrink_config(num_rows, weights.in_features, weights.max_rank, weights.num_slots,
                                  weights.num_slices)
-    if cfg["BLOCK_R"] < weights.max_rank:
-        raise ValueError(f"BLOCK_R {cfg['BLOCK_R']} is below the maximum rank {weights.max_rank}")
     if cfg["SPLIT_K"] > 1:
         t.zero_()
     tab = weights.tables()
-    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * cfg["SPLIT_K"], weights.num_slots, weights.num_slices)
+    num_r = triton.cdiv(max(weights.max_rank, 1), cfg["BLOCK_R"])  # rank tiles per slice
+    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]) * cfg["SPLIT_K"], weights.num_slots, weights.num_slices * num_r)
     jit_kernel(_shrink_kernel)[grid](
         x, t, meta.sorted_token_ids, meta.seg_indptr, tab["ranks"], tab["a_ptrs"], tab["a_row_stride"],
-        weights.in_features, x.stride(0), t.stride(0), weights.max_rank, weights.num_slices,
+        weights.in_features, x.stride(0), t.stride(0), weights.max_rank, num_r,
         **cfg,
     )
 
 
 def _shrink_kernel(
     x_ptr, t_ptr, sorted_ids_ptr, seg_indptr_ptr, ranks_ptr, a_ptrs_ptr, a_row_stride_ptr,
-    K, stride_xm, stride_tm, t_slice_stride, num_slices,
+    K, stride_xm, stride_tm, t_slice_stride, num_r,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    sl = tl.program_id(2)
+    sl = tl.program_id(2) // num_r
+    r_begin = (tl.program_id(2) % num_r) * BLOCK_R  # this program's rank tile
     pid_m = pid // SPLIT_K
     pid_k = pid % SPLIT_K
     rank = tl.load(ranks_ptr + slot).to(tl.int32)
     seg_start = tl.load(seg_indptr_ptr + slot)
     seg_len = tl.load(seg_indptr_ptr + slot + 1) - seg_start
-    if (rank == 0) | (pid_m * BLOCK_M >= seg_len):  # empty slot, or past this slot's tokens: no work
+    if (r_begin >= rank) | (pid_m * BLOCK_M >= seg_len):  # past this slot's rank or tokens (or empty): no work
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_len
@@ -100,7 +112,7 @@ def _shrink_kernel(
     a_row_stride = tl.load(a_row_stride_ptr + slot)
     a_ptr = tl.load(a_ptrs_ptr + slot).to(tl.pointer_type(x_ptr.dtype.element_ty))
     a_ptr += sl * rank * a_row_stride  # slice sl: rows [sl * rank, (sl + 1) * rank) of the slot's A
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r_begin + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # not tl.zeros: a jitted helper (see jit.py)
     # plain integer ceil-divisions, not tl.cdiv (a jitted helper, see jit.py)

@@ -106,6 +106,30 @@ def test_split_k_shrink_matches_reference():
     torch.testing.assert_close(t_split, t_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_ranks_above_the_rank_tile_are_split_into_tiles(monkeypatch, split_k):
+    """Ranks wider than the tile (RANK_CHUNK lowered to 16 here; 64 in use, so rank 128 takes two tiles): shrink
+    spreads a slot's rank over programs, expand loops over it, a partial last tile (40 = 16 + 16 + 8) included,
+    beside slots of one tile and of none."""
+    import sgl_multilora.triton_kernels.shrink as shrink
+
+    monkeypatch.setattr(shrink, "RANK_CHUNK", 16)
+    p = make_problem(num_tokens=30, in_features=64, slice_widths=[32, 16, 16], ranks=[40, 8, None, 64, 16],
+                     popularity="zipf:1.0", dtype=torch.float32, seed=3)
+    weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
+    meta = SegmentMeta.build(p.token_slot, 5)
+    cfg = shrink_config(30, 64, weights.max_rank, 5, 3)
+    assert cfg["BLOCK_R"] == 16 < weights.max_rank
+    t_tiled, t_ref = torch.zeros(30, 3 * 64), torch.zeros(30, 3 * 64)
+    lora_shrink(p.x, t_tiled, meta, weights, {**cfg, "SPLIT_K": split_k, "BLOCK_K": 16})
+    lora_shrink_ref(p.x, t_ref, meta, weights)
+    torch.testing.assert_close(t_tiled, t_ref, atol=1e-5, rtol=1e-5)
+    y_triton, y_ref = run_both(p, meta)
+    expected = expected_output(p)
+    assert_close(y_triton, expected)
+    assert_close(y_ref, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_sglang_stacked_buffers_read_only_each_slots_rank(dtype):
     """SGLang's pool sizes every slot for the max rank; NaN in the unused rows / columns proves they are not read."""
@@ -192,7 +216,7 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(monkeypatch):
     ptrs = {"sorted_ids_ptr": "*i32", "seg_indptr_ptr": "*i32", "ranks_ptr": "*i32"}
     shrink = ASTSource(jit_kernel(_shrink_kernel), {
         "x_ptr": "*bf16", "t_ptr": "*fp32", **ptrs, "a_ptrs_ptr": "*i64", "a_row_stride_ptr": "*i64",
-        "K": "i32", "stride_xm": "i32", "stride_tm": "i32", "t_slice_stride": "i32", "num_slices": "i32",
+        "K": "i32", "stride_xm": "i32", "stride_tm": "i32", "t_slice_stride": "i32", "num_r": "i32",
         "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
     }, constexprs={"BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_K": 64, "SPLIT_K": 4})
     expand = ASTSource(jit_kernel(_expand_kernel), {
