@@ -36,7 +36,7 @@ from eval.sim.compare_report import markdown
 from eval.sim.engine import SimConfig, SimRun, simulate
 from eval.sim.findings import by_setting, peak_rate
 from eval.sim.hostkv import HOST_KV_BYTES
-from eval.sim.latency import LatencyModel
+from eval.sim.latency import LORA_COST_HELP, LORA_COSTS, LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.workloads.chatbot import ChatbotParams, generate
 from eval.workloads.records import AdapterInfo
@@ -95,7 +95,7 @@ def rounded(x):
 
 
 def run_all(args: argparse.Namespace) -> tuple[list[dict], list]:
-    lat = LatencyModel()
+    lat = LatencyModel(lora_cost=args.lora_cost)
     jobs = []
     for n in args.num_adapters:
         for rate in args.rates:
@@ -117,7 +117,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], list]:
                       "num_adapters": n, "conversation_rate": rate, "arm": arm, "target_modules": ALL_LINEAR,
                       "pool_bytes": pool_bytes(lat), "pool_slots": pool_bytes(lat) // lat.model.kv_bytes_per_token,
                       "slot_bytes": lat.model.kv_bytes_per_token, "host_kv_bytes": host_kv_bytes(args)},
-            "device": "simulated: Llama-3-8B bf16 on one H100 SXM 80 GB, PCIe 5 (eval/sim/latency.py)",
+            "device": lat.device,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "host": platform.node(), "sim_wall_s": round(wall, 2), "request_rate": rate_rps,
             "summary": rounded(run.summary),
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-kv-gb", type=float, default=None,
                     help=f"host KV pool of ours and its ablations, GB (default {HOST_KV_BYTES / 1e9:g}; 0: off)")
+    ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
     ap.add_argument("--out", default="eval/results/sim_elora")
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite <out>.md from an earlier run's <out>_runs.jsonl (same sweep arguments)")

@@ -202,9 +202,7 @@ class _Loop:
         budget = self.cfg.chunk_tokens
         prefill = []
         pairs = 0.0
-        lora_tokens = self.decode_lora
-        weights = sum(self.system.weight_bytes[a] for a in self.decode_adapters)
-        extra: set[str] = set()
+        lora = dict(self.decode_adapters)  # adapter -> its tokens in this step
         now = self.system.now
         for sr in self.prefilling:
             if budget <= 0:
@@ -217,12 +215,11 @@ class _Loop:
             pairs += n * sr.computed + n * (n + 1) / 2
             name = sr.req.adapter
             if name is not None:
-                lora_tokens += n
-                if name not in self.decode_adapters and name not in extra:
-                    extra.add(name)
-                    weights += self.system.weight_bytes[name]
+                lora[name] = lora.get(name, 0) + n
         num_prefill = sum(n for _, n in prefill)
-        dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, lora_tokens, weights)
+        specs, weight_bytes = self.system.lora_specs, self.system.weight_bytes
+        batch = [(n, *specs[name], weight_bytes[name]) for name, n in lora.items()]
+        dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, batch)
         if dt:
             dt += self.system.take_stall()
         return dt, prefill

@@ -8,14 +8,18 @@ batches). Its time is a roofline sum (shared/reference/perf-anchors.md, sections
     linear    = max(weight bytes / HBM, (prefill + decode tokens) * 2 * params / (peak FLOPs * MFU))
     attention = 4 * layers * hidden * (query-key pairs of the prefill chunks) / (peak FLOPs * MFU)
               + (context tokens of the decoding requests) * KV bytes per token / HBM
-    lora      = launch floor (if any token uses an adapter)
-              + (bytes of the distinct adapters in the batch + adapter tokens * activation bytes) / HBM
+    lora      = layers * (our segmented kernels' microseconds for one layer's module groups, fitted to an H100's
+                measurements of them: eval/sim/lora_cost.py, eval/results/lora_step_gpu.md)
+                [`lora_cost="roofline"`, the estimate before the measurement: launch floor (if any token uses an
+                adapter) + (bytes of the distinct adapters in the batch + adapter tokens * activation bytes) / HBM]
     step      = linear + attention + lora + step overhead
+Every arm is costed with the same kernels (ours): the simulator compares scheduling and memory, not kernels.
 Copies: `latency + bytes / PCIe bandwidth`, on one FIFO link, overlapped with compute (async streams).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MODULE_SHAPES = {
@@ -64,8 +68,9 @@ class Hardware:
       perf-anchors section 1 (measured SM-copy 35.2 GB/s on an H100; InfiniLoRA assumes ~50 GB/s; ELORA's
       "128 GB/s" is both directions). pcie_latency_s 10 us per copy: an assumption (launch + sync).
     - lora_launch_floor_s 256 kernels x 4 us = 1.02 ms per step with any adapter token (section 2.4: fused
-      qkv / gate_up shrink + expand, 32 layers, 3-5 us each).
-    - lora_act_bytes_per_token 7.2e6: shrink reads + expand read-modify-write per adapter token (section 2.2).
+      qkv / gate_up shrink + expand, 32 layers, 3-5 us each); `lora_cost="roofline"` only.
+    - lora_act_bytes_per_token 7.2e6: shrink reads + expand read-modify-write per adapter token (section 2.2);
+      `lora_cost="roofline"` only.
     - step_overhead_s 0: scheduling is overlapped with the GPU step (SGLang's overlap scheduler); an assumption.
     - hbm_total_bytes 81,559 MiB (an H100 80 GB as nvidia-smi reports it).
     """
@@ -82,10 +87,26 @@ class Hardware:
     hbm_total_bytes: int = 81_559 * 2**20
 
 
+LoRABatch = Sequence[tuple[int, int, frozenset[str], int]]
+"""A step's adapters: (tokens, rank, module groups targeted, weight bytes) each (eval/sim/lora_cost.py GROUPS)."""
+
+LORA_COSTS = ("measured", "roofline")
+LORA_COST_HELP = ("the simulator's LoRA step term: measured (fitted to our kernels on an H100, "
+                  "eval/results/lora_step_gpu.md) or roofline (the estimate before that measurement)")
+
+
 @dataclass(frozen=True)
 class LatencyModel:
+    """`lora_cost`: "measured" (the fit to our kernels on an H100) or "roofline" (the estimate it replaced, kept to
+    reproduce results made with it)."""
+
     model: SimModelSpec = SimModelSpec()
     hw: Hardware = Hardware()
+    lora_cost: str = "measured"
+
+    def __post_init__(self) -> None:
+        if self.lora_cost not in LORA_COSTS:
+            raise ValueError(f"unknown lora_cost {self.lora_cost!r}; choose one of {', '.join(LORA_COSTS)}")
 
     @property
     def _hbm(self) -> float:
@@ -95,14 +116,21 @@ class LatencyModel:
     def _flops(self) -> float:
         return self.hw.peak_flops * self.hw.mfu
 
+    @property
+    def device(self) -> str:
+        """The simulated device and LoRA term, for results files."""
+        lora = ("LoRA term fitted to our kernels measured on an H100, eval/results/lora_step_gpu.md"
+                if self.lora_cost == "measured" else "LoRA term a roofline estimate")
+        return f"simulated: Llama-3-8B bf16 on one H100 SXM 80 GB, PCIe 5 (eval/sim/latency.py; {lora})"
+
     def step_time(self, prefill_tokens: int, prefill_pairs: float, decode_tokens: int,
-                  decode_context_tokens: int, lora_tokens: int, lora_weight_bytes: int) -> float:
+                  decode_context_tokens: int, lora: LoRABatch = ()) -> float:
         """Seconds for one batch step (formula in the module docstring).
 
         `prefill_pairs`: sum over prefill chunks of n * c + n * (n + 1) / 2 (a chunk of n new tokens after c
         cached ones attends to that many query-key pairs). `decode_context_tokens`: sum of the decoding
-        requests' context lengths. `lora_tokens`: tokens of this step that run through an adapter.
-        `lora_weight_bytes`: bytes of the distinct adapters those tokens use. An empty step takes 0 s."""
+        requests' context lengths. `lora`: the step's adapters and their tokens (`LoRABatch`). An empty step
+        takes 0 s."""
         tokens = prefill_tokens + decode_tokens
         if tokens == 0:
             return 0.0
@@ -110,17 +138,25 @@ class LatencyModel:
         linear = max(m.weight_bytes / self._hbm, tokens * 2 * m.num_params / self._flops)
         attention = (4 * m.num_layers * m.hidden * prefill_pairs / self._flops
                      + decode_context_tokens * m.kv_bytes_per_token / self._hbm)
-        lora = 0.0
-        if lora_tokens:
-            lora = hw.lora_launch_floor_s + (lora_weight_bytes
-                                             + lora_tokens * hw.lora_act_bytes_per_token) / self._hbm
-        return linear + attention + lora + hw.step_overhead_s
+        return linear + attention + self.lora_time(lora) + hw.step_overhead_s
 
-    def prefill_time(self, new_tokens: int, cached_tokens: int = 0, lora: bool = False,
-                     lora_weight_bytes: int = 0) -> float:
-        """One request's prefill alone in a step (no decode tokens)."""
+    def lora_time(self, lora: LoRABatch) -> float:
+        """Seconds of a step's LoRA work (`LoRABatch`); 0 when no token uses an adapter."""
+        if not any(entry[0] for entry in lora):
+            return 0.0
+        if self.lora_cost == "roofline":
+            tokens = sum(entry[0] for entry in lora)
+            weights = sum(entry[3] for entry in lora if entry[0])
+            return self.hw.lora_launch_floor_s + (weights + tokens * self.hw.lora_act_bytes_per_token) / self._hbm
+        from eval.sim.lora_cost import measured_model
+
+        return self.model.num_layers * measured_model().layer_us(lora) * 1e-6
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int = 0, lora: LoRABatch = ()) -> float:
+        """One request's prefill alone in a step (no decode tokens); `lora`: its adapter, as (n, rank, groups,
+        bytes) with n its new tokens."""
         n, c = new_tokens, cached_tokens
-        return self.step_time(n, n * c + n * (n + 1) / 2, 0, 0, n if lora else 0, lora_weight_bytes)
+        return self.step_time(n, n * c + n * (n + 1) / 2, 0, 0, lora)
 
     def recompute_s_per_token(self) -> float:
         """Linear-layer prefill seconds per token at large batch: 2 x params / (peak x MFU), ~27 us."""

@@ -42,13 +42,12 @@ from tqdm import tqdm
 
 from eval.sim.compare import rounded
 from eval.sim.engine import SimConfig, SimRun, simulate
-from eval.sim.latency import LatencyModel
+from eval.sim.latency import LORA_COST_HELP, LORA_COSTS, LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.sched_report import markdown, slo_from_light
 from eval.workloads.heterogeneous import HeterogeneousParams, generate
 
 POLICIES = ("fcfs", "lpm", "multiqueue", "multiqueue-overdue")
-DEVICE = "simulated: Llama-3-8B bf16 on one H100 SXM 80 GB, PCIe 5 (eval/sim/latency.py)"
 DEFAULT_RATES = (2.0, 6.0, 10.0, 13.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 25.0, 30.0)
 
 
@@ -113,7 +112,7 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
                   "policy": policy, "system": args.system, "window_s": args.window_s,
                   "sim_config": dataclasses.asdict(config), "ttft_slo_s": slo_s,
                   "pool_slots": pool_bytes(lat) // lat.model.kv_bytes_per_token},
-        "device": DEVICE, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": lat.device, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(), "sim_wall_s": round(wall, 2),
         "request_rate": len(w.requests) / max(1e-9, w.duration_s),
         "summary": rounded(summarize(run, {r.rid: r.tags for r in w.requests}, slo_s)),
@@ -123,7 +122,7 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """The light-load runs first (they set the SLO), then every (rate, seed, policy)."""
-    lat = LatencyModel()
+    lat = LatencyModel(lora_cost=args.lora_cost)
     light = [run_one(args.light_rate, seed, "fcfs", args, None, lat, kind="light")
              for seed in tqdm(args.seeds, desc="light load (SLO)", unit="run")]
     slo_s = slo_from_light(light)
@@ -145,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="SGLang's cap on distinct adapters per batch, every policy alike (default: none)")
     ap.add_argument("--slot-squash-share", type=float, default=SimConfig.slot_squash_share,
                     help="multiqueue's --multilora-slot-squash-share (with a cap)")
+    ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
     ap.add_argument("--out", default="eval/results/sim_chameleon")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)

@@ -40,20 +40,25 @@ def chat(num_conversations=30, num_adapters=6, seed=0, rank=(8, 16), modules=("q
 
 def test_latency_model_hand_computed():
     # decode of one token at empty context: reading 16.06 GB of weights at 85% of 3.35 TB/s
-    assert LAT.step_time(0, 0, 1, 0, 0, 0) == pytest.approx(16.06e9 / HBM, rel=1e-12)
-    assert LAT.step_time(0, 0, 1, 0, 0, 0) == pytest.approx(5.6400e-3, rel=1e-4)
+    assert LAT.step_time(0, 0, 1, 0) == pytest.approx(16.06e9 / HBM, rel=1e-12)
+    assert LAT.step_time(0, 0, 1, 0) == pytest.approx(5.6400e-3, rel=1e-4)
     # + 1000 tokens of context: 1000 x 128 KiB more
-    assert LAT.step_time(0, 0, 1, 1000, 0, 0) == pytest.approx((16.06e9 + 1000 * KVB) / HBM, rel=1e-12)
+    assert LAT.step_time(0, 0, 1, 1000) == pytest.approx((16.06e9 + 1000 * KVB) / HBM, rel=1e-12)
     # prefill of 4096 tokens: compute-bound linear layers + causal attention (4 * 32 * 4096 per pair)
     pairs = 4096 * 4097 / 2
     expect = 4096 * 2 * 8.03e9 / FLOPS + 4 * 32 * 4096 * pairs / FLOPS
     assert LAT.prefill_time(4096) == pytest.approx(expect, rel=1e-12)
     assert LAT.prefill_time(4096) == pytest.approx(0.11821, rel=1e-3)
     assert LAT.recompute_s_per_token() == pytest.approx(27e-6, rel=0.01)  # perf-anchors 5: ~27 us at 60% MFU
-    # a step with adapter tokens adds the launch floor + weight and activation traffic
-    lora = LAT.step_time(0, 0, 2, 0, 2, 100_000_000) - LAT.step_time(0, 0, 2, 0, 0, 0)
+    # the roofline LoRA estimate: launch floor + weight and activation traffic
+    roof = LatencyModel(lora_cost="roofline")
+    batch = [(2, 16, frozenset({"qkv"}), 100_000_000), (0, 64, frozenset({"qkv"}), 7)]  # no tokens: not read
+    lora = roof.step_time(0, 0, 2, 0, batch) - roof.step_time(0, 0, 2, 0)
     assert lora == pytest.approx(256 * 4e-6 + (100e6 + 2 * 7.2e6) / HBM, rel=1e-12)
-    assert LAT.step_time(0, 0, 0, 0, 0, 0) == 0.0
+    assert LAT.step_time(0, 0, 0, 0) == 0.0
+    assert LAT.lora_time([(0, 16, frozenset({"qkv"}), 1)]) == 0.0
+    with pytest.raises(ValueError, match="unknown lora_cost 'guess'"):
+        LatencyModel(lora_cost="guess")
 
 
 def test_adapter_sizes_and_copies_match_published_figures():

@@ -45,6 +45,8 @@ from sgl_multilora.sched import (
     WrsNormalizer,
 )
 
+from eval.sim.lora_cost import ALL_GROUPS
+
 if TYPE_CHECKING:
     from eval.sim.systems.request import SimRequest
 
@@ -56,8 +58,10 @@ class MultiQueueAdmission(BaseAdmission):
     def __init__(self, system, lat, config, requests) -> None:
         super().__init__(system, lat, config, requests)
         max_rank = max((a.rank for a in system.adapters.values()), default=0) or 64
+        min_rank = min((a.rank for a in system.adapters.values()), default=0) or 8
+        # a decode step of one token through the smallest adapter on every module
         timing = TimingModel(prefill_s_per_token=lat.recompute_s_per_token(),
-                             decode_s_per_token=lat.step_time(0, 0, 1, 0, 1, 0))
+                             decode_s_per_token=lat.step_time(0, 0, 1, 0, [(1, min_rank, ALL_GROUPS, 0)]))
         sched_config = SchedConfig(total_tokens=system.kv_pool.num_slots, ttft_slo_s=config.ttft_slo_s,
                                    initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
                                                               max_rank=max_rank),

@@ -25,6 +25,7 @@ from eval.sim.hostkv import RESTORE_ID_UNIT, owner_of, restore_id_of
 from sgl_multilora.host_tier import HostKVTier
 from eval.sim.latency import LatencyModel
 from eval.sim.link import PcieLink
+from eval.sim.lora_cost import groups_of
 from eval.sim.systems.request import NS, Admit, SimRequest
 from eval.workloads.records import AdapterInfo
 from sgl_multilora.keys import AdapterRef, MatchKey
@@ -71,6 +72,7 @@ class BaseSystem:
         self.kv_tokens = Counter()  # adapter index (-1: base) -> cached tokens, through the slot values
         self.waiting: Counter[str | None] = Counter()  # waiting requests per adapter
         self.weight_bytes = dict(self.sizes)  # bytes the kernels read (a padded slot holds more)
+        self.lora_specs = {a.name: (a.rank, groups_of(a.target_modules)) for a in adapters}  # for step costs
         self.tree = LoraRadixTree(clock=lambda: self.now) if self.history else None
         self.host: HostKVTier | None = None  # a host KV tier (ours only; see hostkv.py)
         self.restores: dict[int, tuple[float, int, Node]] = {}  # restore id -> (done, tokens, host run)
