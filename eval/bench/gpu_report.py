@@ -43,17 +43,22 @@ def _headline_rows(rows: dict) -> list[str]:
             for (phase, module), rs in sorted(groups.items())]
 
 
-def kernel_other_gpu_report(record: dict, reference: dict) -> str:
-    """The same benchmark on another GPU (one record, the configs as committed), next to the main record."""
+def kernel_other_gpu_report(record: dict, reference: dict, earlier: dict | None = None) -> str:
+    """The same benchmark on another GPU (one record, the configs as committed), next to the main record; with
+    `earlier` (the previous record on that GPU), ours now against ours then on the shapes both timed."""
     rows = {_key(r): r for r in record["results"] if "setup" in r}
     ref = {_key(r): r for r in reference["results"] if "setup" in r}
     ratio_all, ref_all = _ratios(rows.values()), _ratios(ref.values())
+    command = record.get("command", "bash scripts/gpu_checks.sh OUT 150` (`python3 -m eval.bench.lora_kernels "
+                                    "--max-seconds 150")
+    truncated = [r["truncated"] for r in record["results"] if "truncated" in r]
     lines = [
         f"# Segmented LoRA kernels on another GPU: {record['device']}", "",
         f"{record['date']}; torch {record['versions']['torch']}, triton {record['versions']['triton']}. Command: "
-        "`bash scripts/gpu_checks.sh OUT 150` (`python3 -m eval.bench.lora_kernels --max-seconds 150`), the launch "
-        "configs as committed (tuned on the H200 of `lora_kernels.md`); method as there: bf16, Llama-3-8B shapes, "
-        "CUDA-graph replay, median of 50, every op checked against the torch reference first.", "",
+        f"`{command}`, the launch configs as committed (tuned on the H200 of `lora_kernels.md`)"
+        + (f" ({truncated[0]}, every module's core shapes first)" if truncated else "")
+        + "; method as there: bf16, Llama-3-8B shapes, CUDA-graph replay, median of 50, every op checked against "
+        "the torch reference first.", "",
         "| phase | module | ours / SGLang triton, median (min-max) | LoRA op / base GEMM, median | shapes |",
         "|---|---|---|---|---|", *_headline_rows(rows), "",
         f"All {len(ratio_all)} shapes: ours / SGLang {_spread(ratio_all)}, ours faster on "
@@ -61,6 +66,16 @@ def kernel_other_gpu_report(record: dict, reference: dict) -> str:
         f"{_spread(ref_all)} over {len(ref_all)} shapes. SGLang's csgmv kernels: "
         f"{record.get('sglang_backends_not_timed', {}).get('csgmv', 'timed')}.", "",
     ]
+    if earlier is not None:
+        then = {_key(r): r for r in earlier["results"] if "setup" in r}
+        by_rank: dict[int, list[float]] = defaultdict(list)
+        for k in rows.keys() & then.keys():
+            by_rank[k[2]].append(rows[k]["latency_us"]["multilora_triton"] / then[k]["latency_us"]["multilora_triton"])
+        lines += [f"Ours now / ours in the previous record on this GPU kind ({earlier['date'][:10]}), same shapes: "
+                  + "; ".join(f"rank {rank} {_spread(v)} over {len(v)}" for rank, v in sorted(by_rank.items()))
+                  + ". Two runs on different machines and days, not interleaved: the drift between them is in these "
+                  "ratios (a shape whose launch did not change shows it); the ratios to SGLang above are within one "
+                  "run.", ""]
     return "\n".join(lines)
 
 
@@ -236,8 +251,9 @@ def main() -> None:
     (RESULTS / "pool_views_gpu.md").write_text(pool_views_report(_records(RESULTS / "pool_views_gpu.jsonl")))
     kernels = [r for r in _records(RESULTS / "lora_kernels.jsonl")
                if r.get("gpu_figures") and any("setup" in x for x in r["results"])]
+    h100 = _records(RESULTS / "lora_kernels_h100.jsonl")
     (RESULTS / "lora_kernels_h100.md").write_text(
-        kernel_other_gpu_report(_records(RESULTS / "lora_kernels_h100.jsonl")[-1], kernels[-1]))
+        kernel_other_gpu_report(h100[-1], kernels[-1], h100[-2] if len(h100) > 1 else None))
     (RESULTS / "host_copy_gpu_h100.md").write_text(host_copy_report(_records(RESULTS / "host_copy_gpu_h100.jsonl")))
     print(f"wrote {RESULTS / 'lora_kernels.md'}, {RESULTS / 'lora_kernels.png'}, {RESULTS / 'host_copy_gpu.md'}, "
           f"{RESULTS / 'pool_views_gpu.md'}")

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -215,7 +216,6 @@ def agreement_in_subprocess(backend: str) -> list[dict] | str:
     """`sglang_agreement` for one backend in a process of its own: a kernel that faults (an illegal memory access
     poisons the CUDA context) cannot take the benchmark down with it. The rows, or why there are none."""
     import subprocess
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         records = list(gpu_records(args.quick, args.max_seconds, backends) if on_gpu else cpu_records(args.quick))
     record = {
         "experiment": "lora_kernels",
+        "command": " ".join(["python3 -m eval.bench.lora_kernels", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(),
         "versions": versions(),
