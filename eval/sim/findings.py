@@ -284,8 +284,10 @@ MODEL_LIMITS = """Model limits (properties of the simulator, the same in every r
   assumption (`--host-kv-gb`).
 - vLLM-, S-LoRA- and plain SGLang-like have no host KV tier, as in the paper, so reductions
   against them include the tier's gain; `sglang:hicache` has the same tier and budget as ours.
-- The workload is synthetic (eval/workloads/chatbot.py), not LMSYS-33k, and the latency model is a
-  roofline (eval/sim/latency.py) without a GPU measurement behind it."""
+- The workload is synthetic (eval/workloads/chatbot.py), not LMSYS-33k. The latency model
+  (eval/sim/latency.py) is a roofline whose LoRA term is fitted to our kernels measured on an
+  H100 (eval/results/lora_step_gpu.md; every arm is costed with them); its base-model and copy
+  terms have no GPU measurement behind them."""
 
 
 def conclusions(f: Findings, lat: LatencyModel | None = None) -> list[str]:
