@@ -69,3 +69,38 @@ def test_nnls_matches_least_squares_when_unconstrained_and_clamps_otherwise():
     b2 = np.array([1.0, -1.0, 0.0])
     x = nnls(a2, b2)
     assert x[1] == 0.0 and x[0] == pytest.approx(0.5)  # argmin over x0 of (x0 - 1)^2 + 1 + x0^2
+
+
+def test_benchmark_batches_cover_every_token_and_adapter():
+    from eval.bench.lora_step_gpu import compositions, shapes, tokens_per_adapter
+
+    for tokens, adapters in ((1, 1), (4, 4), (64, 16), (1000, 64), (8192, 64)):
+        for popularity in ("uniform", "zipf"):
+            counts = tokens_per_adapter(tokens, adapters, popularity)
+            assert sum(counts) == tokens and len(counts) == adapters and min(counts) >= 1
+            if popularity == "zipf" and tokens > 4 * adapters:
+                assert counts[0] > counts[-1]
+    grid = shapes()
+    assert len(grid) == len(set(grid)) and all(n <= t for _, _, t, n, _ in grid)
+    for comp in compositions(20):
+        assert sum(comp["tokens_per_adapter"]) == comp["num_tokens"]
+        assert len(comp["ranks"]) == len(comp["targets"]) == len(comp["tokens_per_adapter"])
+
+
+def test_benchmark_problem_matches_plain_per_adapter_math():
+    """The benchmark's batch (built on CPU here) run through the torch op equals x @ A^T @ B^T adapter by adapter."""
+    import torch
+
+    from eval.bench.lora_step_gpu import build
+    from sgl_multilora.triton_kernels.ops import lora_forward
+
+    counts, ranks = [5, 2, 1], [8, 16, 128]
+    x, _, layout, weights, y, _ = build("qkv", ranks, counts, torch.Generator().manual_seed(0), "cpu", torch.float32)
+    out = lora_forward(x, torch.zeros_like(y), layout, weights, impl="torch")
+    expected, row = torch.zeros_like(y), 0
+    for s, c in enumerate(counts):
+        for j, (a, b) in enumerate(zip(weights.a_views[s], weights.b_views[s])):
+            lo, hi = weights.slice_offsets[j], weights.slice_offsets[j + 1]
+            expected[row:row + c, lo:hi] = (x[row:row + c] @ a.t()) @ b.t()
+        row += c
+    torch.testing.assert_close(out, expected)
