@@ -241,12 +241,54 @@ def report(grid: Path = GRID) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(path: Path, grid: Path = GRID) -> None:
+    """Two panels: the rank tile's A/B per rank set (each cap against no cap, every grid shape), and the fit against
+    the held-out layers' measured times."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, layers = _results(grid)
+    model = fit(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sets = sorted({r["setup"]["rank_set"] for r in rows}, key=lambda k: (k == "mixed", len(k), k))
+    chunks = sorted(rows[0]["latency_us"].get("rank_chunk", {}), key=int, reverse=True)[1:]
+    for i, chunk in enumerate(chunks):
+        data = [[r["latency_us"]["rank_chunk"][chunk] / r["latency_us"]["rank_chunk"]["128"]
+                 for r in rows if r["setup"]["rank_set"] == rs] for rs in sets]
+        pos = [k + (i - (len(chunks) - 1) / 2) * 0.35 for k in range(len(sets))]
+        box = left.boxplot(data, positions=pos, widths=0.3, showfliers=False, patch_artist=True)
+        for patch in box["boxes"]:
+            patch.set_facecolor(f"C{i}")
+        left.plot([], [], color=f"C{i}", lw=6, label=f"rank tile <= {chunk}")
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.set_xticks(range(len(sets)), sets)
+    left.set_ylabel("time / time at the old tiling (128)")
+    left.set_title(f"{len(rows)} batches over the four module groups, arms interleaved")
+    left.legend(fontsize=8)
+    if layers:
+        measured = [measured_us(r) for r in layers]
+        fitted = [model.layer_us(layer_batch(r["layer"])) for r in layers]
+        right.loglog(measured, fitted, "o", ms=4)
+        lo, hi = min(measured + fitted) * 0.8, max(measured + fitted) * 1.25
+        right.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
+        right.set_xlabel("measured us per layer (held out)")
+        right.set_ylabel("simulator's fit, us per layer")
+        right.set_title(f"{len(layers)} held-out whole layers, rank tile {KERNEL_RANK_CHUNK}")
+    fig.suptitle(json.loads([line for line in grid.read_text().splitlines() if line.strip()][-1])["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     text = report()
     out = RESULTS / "lora_step_gpu.md"
-    out.write_text(text)
+    out.write_text(text + "\nPlot: `lora_step_gpu.png` (the rank tile per rank set; the fit against the held-out layers).\n")
+    plot(RESULTS / "lora_step_gpu.png")
     print(text)
-    print(f"wrote {out}")
+    print(f"wrote {out} and lora_step_gpu.png")
 
 
 if __name__ == "__main__":
