@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import sgl_multilora.triton_kernels.shrink as shrink
-from eval.bench.lora_kernels import MODULES, device_name, versions
+from eval.bench.lora_kernels import MODULES, device_name, time_cuda, versions
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
 from sgl_multilora.triton_kernels.weights import LoRAWeights
@@ -76,22 +76,7 @@ def build(module: str, ranks: list[int], counts: list[int], gen: torch.Generator
 
 def time_graph(fns, reps: int = 20) -> float:
     """Median microseconds of one replay of a CUDA graph running every fn once, divided by len(fns)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
+    return time_cuda(lambda: [fn() for fn in fns], reps=reps) / len(fns)
 
 
 def shapes(seed: int = 0) -> list[tuple]:
