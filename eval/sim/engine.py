@@ -17,6 +17,7 @@ Every admitted request reserves KV for its whole prompt and output, so no reques
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,7 +112,6 @@ class _Loop:
         self.prefilling: list[SimRequest] = []
         self.num_decoding = 0
         self.decode_ctx = 0  # sum of the decoding requests' context lengths
-        self.decode_lora = 0  # decoding requests that use an adapter
         self.decode_adapters: dict[str, int] = {}  # adapter -> decoding requests using it
         self.finish_heap: list[tuple[int, int, SimRequest]] = []
         self.step_no = 0
@@ -298,7 +298,6 @@ class _Loop:
         heapq.heappush(self.finish_heap, (self.step_no + len(sr.output) - 1, self._seq, sr))
         name = sr.req.adapter
         if name is not None:
-            self.decode_lora += 1
             self.decode_adapters[name] = self.decode_adapters.get(name, 0) + 1
 
     def _leave_decode(self, sr: SimRequest, generated: int | None = None) -> None:
@@ -308,7 +307,6 @@ class _Loop:
         sr.decode_seq = -1
         name = sr.req.adapter
         if name is not None:
-            self.decode_lora -= 1
             self.decode_adapters[name] -= 1
             if not self.decode_adapters[name]:
                 del self.decode_adapters[name]
@@ -319,7 +317,8 @@ class _Loop:
         assert len(entries) == self.num_decoding, "decode count out of step"
         ctx = sum(len(sr.prompt) + len(sr.output) - (step - self.step_no) for step, sr in entries)
         assert ctx == self.decode_ctx, f"decode context sum {self.decode_ctx} != {ctx}"
-        assert self.decode_lora == sum(sr.req.adapter is not None for _, sr in entries), "LoRA count drifted"
+        by_adapter = Counter(sr.req.adapter for _, sr in entries if sr.req.adapter is not None)
+        assert by_adapter == self.decode_adapters, "decoding requests per adapter drifted"
 
     def _result(self, sr: SimRequest) -> RequestResult:
         out = sr.output_tokens
