@@ -10,8 +10,9 @@ tokens, n their number, c_a / r_a an adapter's tokens and rank, and BM the kerne
     us_g = k0 + k1 T + k2 sum_a c_a r_a + k3 sum_a r_a + k4 n + k5 n ceil(T / BM) + k6 sum_a ceil(c_a / BM)
 (launch and fixed cost; activations read and written; the rank-proportional math; weights read; per-adapter
 setup; the programs the grid launches, most of which exit at once; the token blocks that do work), one set of k per
-group and per the kernels' rank block (the largest rank in the batch rounded up to a power of two, at least 16: the
-kernels tile every adapter at that width). A layer is the sum over groups; a step, the layer times the layer count.
+group and per rank class (the batch's largest rank rounded up to a power of two, 16 to 128: it sets the launch, the
+rank tiles and split-K, so the costs differ by class). A layer is the sum over groups; a step, the layer times the
+layer count.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ RANK_BLOCKS = (16, 32, 64, 128)
 
 
 def rank_block(max_rank: int) -> int:
-    """The kernels' rank tile: the largest rank rounded up to a power of two, at least 16 (shrink.py, expand.py)."""
-    return max(16, 1 << (max(max_rank, 1) - 1).bit_length())
+    """The fit's rank class of a batch: its largest rank rounded up to a power of two, within 16..128 (the grid's
+    ranks; a batch with a wider rank is costed with the class of 128)."""
+    return min(RANK_BLOCKS[-1], max(RANK_BLOCKS[0], 1 << (max(max_rank, 1) - 1).bit_length()))
 
 
 def token_block(num_tokens: int, num_adapters: int) -> int:
@@ -61,7 +63,7 @@ def features(counts: Sequence[int], ranks: Sequence[int]) -> list[float]:
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
-    m, n = a.shape
+    n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
     for _ in range(3 * n + 3):
@@ -98,10 +100,9 @@ def measured_us(r: dict, chunk: int = KERNEL_RANK_CHUNK) -> float:
 
 @dataclass(frozen=True)
 class LoRACostModel:
-    """Fitted coefficients: (group, rank block) -> k0..k6 (microseconds per feature unit)."""
+    """Fitted coefficients: (group, rank class) -> k0..k6 (microseconds per feature unit)."""
 
     coef: dict[tuple[str, int], tuple[float, ...]]
-    source: str = ""
 
     def group_us(self, group: str, counts: Sequence[int], ranks: Sequence[int]) -> float:
         if not counts:
@@ -128,13 +129,13 @@ def groups_of(target_modules: Iterable[str]) -> frozenset[str]:
 
 
 def fit(rows: list[dict]) -> LoRACostModel:
-    """One NNLS fit per (group, rank block), minimising relative error (each row weighted by 1 / measured)."""
+    """One NNLS fit per (group, rank class), minimising relative error (each row weighted by 1 / measured)."""
     coef = {}
     for group in GROUPS:
         for block in RANK_BLOCKS:
             sel = [r for r in rows if r["setup"]["module"] == group and rank_block(max(r["setup"]["ranks"])) == block]
             if not sel:
-                raise ValueError(f"no measurements for group {group} at rank block {block}")
+                raise ValueError(f"no measurements for group {group} in rank class {block}")
             x = np.array([features(r["setup"]["tokens_per_adapter"], r["setup"]["ranks"]) for r in sel])
             y = np.array([measured_us(r) for r in sel])
             coef[(group, block)] = tuple(float(v) for v in nnls(x / y[:, None], np.ones(len(y))))
@@ -144,8 +145,7 @@ def fit(rows: list[dict]) -> LoRACostModel:
 @functools.cache
 def measured_model(path: Path = GRID) -> LoRACostModel:
     """The model fitted to the committed grid (cached per process)."""
-    model = fit(_results(path)[0])
-    return LoRACostModel(model.coef, source=f"{path.name}: {json.loads(path.read_text().splitlines()[-1])['device']}")
+    return fit(_results(path)[0])
 
 
 def layer_batch(comp: dict) -> list[tuple[int, int, frozenset[str]]]:
@@ -202,10 +202,11 @@ def report(grid: Path = GRID) -> str:
         lines += ["", f"Run-to-run on one machine: where the arms run the same launch (largest rank <= "
                   f"{min(map(int, chunks))}, {len(same)} shapes), |arm / 128 - 1| {_q(noise)}."]
     lines += ["", f"## The simulator's fit (eval/sim/lora_cost.py), at RANK_CHUNK {KERNEL_RANK_CHUNK}", "",
-              "Per module group and rank block, microseconds = k . (fixed, tokens, tokens x rank, sum of ranks, "
-              "adapters, programs launched, token blocks), non-negative least squares on relative error. "
+              "Per module group and rank class (the batch's largest rank, rounded up), microseconds = k . (fixed, "
+              "tokens, tokens x rank, sum of ranks, adapters, programs launched, token blocks), non-negative least "
+              "squares on relative error. "
               "|fit / measured - 1| on the grid (in-sample), median (P90, max):", "",
-              "| group | rank block | shapes | fit error |", "|---|---|---|---|"]
+              "| group | rank class | shapes | fit error |", "|---|---|---|---|"]
     for (group, block) in model.coef:
         sel = [r for r in rows if r["setup"]["module"] == group and rank_block(max(r["setup"]["ranks"])) == block]
         err = [abs(model.group_us(group, r["setup"]["tokens_per_adapter"], r["setup"]["ranks"]) / measured_us(r) - 1)

@@ -104,3 +104,9 @@ def test_benchmark_problem_matches_plain_per_adapter_math():
             expected[row:row + c, lo:hi] = (x[row:row + c] @ a.t()) @ b.t()
         row += c
     torch.testing.assert_close(out, expected)
+
+
+def test_a_rank_wider_than_the_grid_is_costed_with_the_widest_class():
+    every = frozenset(GROUPS)
+    model = measured_model()
+    assert model.layer_us([(64, 256, every)]) > model.layer_us([(64, 128, every)]) > 0
