@@ -286,7 +286,8 @@ def plot(path: Path, grid: Path = GRID) -> None:
 def main() -> None:
     text = report()
     out = RESULTS / "lora_step_gpu.md"
-    out.write_text(text + "\nPlot: `lora_step_gpu.png` (the rank tile per rank set; the fit against the held-out layers).\n")
+    out.write_text(text + "\nPlot: `lora_step_gpu.png` (the rank tile per rank set; the fit against the held-out "
+                   "layers).\n")
     plot(RESULTS / "lora_step_gpu.png")
     print(text)
     print(f"wrote {out} and lora_step_gpu.png")
