@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-import sgl_multilora.triton_kernels.shrink as shrink
+from sgl_multilora.triton_kernels import tiles
 from eval.bench.lora_kernels import MODULES, device_name, time_cuda, versions
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
@@ -88,13 +88,13 @@ def shapes(seed: int = 0) -> list[tuple]:
 
 def chunk_arms(chunks: Sequence[int]) -> Iterator[int]:
     """Sets the kernels' RANK_CHUNK to each of `chunks` in turn (restored after)."""
-    saved = shrink.RANK_CHUNK
+    saved = tiles.RANK_CHUNK
     try:
         for chunk in chunks:
-            shrink.RANK_CHUNK = chunk
+            tiles.RANK_CHUNK = chunk
             yield chunk
     finally:
-        shrink.RANK_CHUNK = saved
+        tiles.RANK_CHUNK = saved
 
 
 def gpu_records(max_seconds: float | None, limit: int | None = None, chunks: Sequence[int] = ()):
@@ -103,7 +103,7 @@ def gpu_records(max_seconds: float | None, limit: int | None = None, chunks: Seq
     began = time.monotonic()
     base_us: dict[tuple[str, int], float] = {}
     grid = shapes()[:limit]
-    default = shrink.RANK_CHUNK
+    default = tiles.RANK_CHUNK
     for i, (module, rank_set, num_tokens, num_adapters, popularity) in enumerate(grid):
         if max_seconds is not None and time.monotonic() - began > max_seconds:
             yield {"truncated": f"stopped after {i} of {len(grid)} shapes: --max-seconds {max_seconds:g}"}
@@ -162,7 +162,7 @@ def layer_records(count: int, chunks: Sequence[int] = ()):
     """Each composition's four module groups in one graph (COPIES layers of their own weights): the measured
     microseconds of one layer's LoRA work (at RANK_CHUNK, and at each of `chunks`), to check a fit of the per-group
     grid against."""
-    default = shrink.RANK_CHUNK
+    default = tiles.RANK_CHUNK
     for i, comp in enumerate(compositions(count)):
         gen = torch.Generator(device="cuda").manual_seed(10_000 + i)
         fns = []

@@ -30,6 +30,7 @@ from eval.sim.systems.base import BaseSystem
 from eval.sim.systems.request import ALORA_INVOCATION_TOKENS, Admit, SimRequest
 from eval.sim.tokens import build_tokens
 from eval.workloads.records import AdapterInfo, Request, RequestResult
+from sgl_multilora.sched import SchedConfig
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class SimConfig:
     admission: str = "fcfs"  # admission policy: fcfs, lpm or multiqueue (eval/sim/admission/)
     max_loras_per_batch: int | None = None  # SGLang's cap on distinct adapters per batch (base one); None: none
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
-    slot_squash_share: float = 0.5  # multiqueue with a cap: --multilora-slot-squash-share (SchedConfig)
+    slot_squash_share: float = SchedConfig.slot_squash_share  # multiqueue with a cap: --multilora-slot-squash-share
 
 
 @dataclass

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from sgl_multilora.triton_kernels import tiles
+from sgl_multilora.triton_kernels.tiles import token_block
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GRID = RESULTS / "lora_step_gpu.jsonl"
-KERNEL_RANK_CHUNK = 32
-"""The kernels' RANK_CHUNK (sgl_multilora/triton_kernels/shrink.py; tests/unit/test_lora_cost.py holds the two
-equal): the arm of the measurements the fit reads."""
 GROUPS = {  # module group -> the projections it fuses (a group runs when an adapter targets any of them)
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -45,12 +45,6 @@ def rank_block(max_rank: int) -> int:
     """The fit's rank class of a batch: its largest rank rounded up to a power of two, within 16..128 (the grid's
     ranks; a batch with a wider rank is costed with the class of 128)."""
     return min(RANK_BLOCKS[-1], max(RANK_BLOCKS[0], 1 << (max(max_rank, 1) - 1).bit_length()))
-
-
-def token_block(num_tokens: int, num_adapters: int) -> int:
-    """The kernels' token tile (sgl_multilora/triton_kernels/shrink.py `token_block`, read there without importing
-    torch into the simulator: tests/unit/test_lora_cost.py holds the two equal)."""
-    return 16 if num_tokens <= 64 or num_tokens <= 16 * num_adapters else 64
 
 
 def features(counts: Sequence[int], ranks: Sequence[int]) -> list[float]:
@@ -92,9 +86,11 @@ def _results(path: Path) -> tuple[list[dict], list[dict]]:
     return rows, [r for r in last["results"] if "layer" in r]
 
 
-def measured_us(r: dict, chunk: int = KERNEL_RANK_CHUNK) -> float:
-    """A row's microseconds at the kernels' rank tile (`multilora_triton` where the row timed one tiling only)."""
+def measured_us(r: dict, chunk: int | None = None) -> float:
+    """A row's microseconds at the kernels' rank tile (`tiles.RANK_CHUNK` unless `chunk`; `multilora_triton` where
+    the row timed one tiling only)."""
     lat = r["latency_us"]
+    chunk = tiles.RANK_CHUNK if chunk is None else chunk
     return lat["rank_chunk"][str(chunk)] if "rank_chunk" in lat else lat["multilora_triton"]
 
 
@@ -181,7 +177,7 @@ def report(grid: Path = GRID) -> str:
         lines += ["", "## The kernels' rank tile (RANK_CHUNK), interleaved on the same weights", "",
                   "128 is the tiling before the cap (every adapter of a launch computed at the batch's largest rank, "
                   "rounded up to a power of two). The default was to be the arm of the lowest geometric mean over "
-                  f"the grid: {KERNEL_RANK_CHUNK}. Ratios against 128, median (min-max):", "",
+                  f"the grid: {tiles.RANK_CHUNK}. Ratios against 128, median (min-max):", "",
                   "| rank set | shapes | " + " | ".join(f"{c} / 128" for c in chunks[1:]) + " |",
                   "|---|---|" + "---|" * (len(chunks) - 1)]
         for rank_set in sorted({r["setup"]["rank_set"] for r in rows}, key=lambda k: (k == "mixed", len(k), k)):
@@ -201,7 +197,7 @@ def report(grid: Path = GRID) -> str:
         noise = [abs(x[c] / x["128"] - 1) for x in same for c in chunks[1:]]
         lines += ["", f"Run-to-run on one machine: where the arms run the same launch (largest rank <= "
                   f"{min(map(int, chunks))}, {len(same)} shapes), |arm / 128 - 1| {_q(noise)}."]
-    lines += ["", f"## The simulator's fit (eval/sim/lora_cost.py), at RANK_CHUNK {KERNEL_RANK_CHUNK}", "",
+    lines += ["", f"## The simulator's fit (eval/sim/lora_cost.py), at RANK_CHUNK {tiles.RANK_CHUNK}", "",
               "Per module group and rank class (the batch's largest rank, rounded up), microseconds = k . (fixed, "
               "tokens, tokens x rank, sum of ranks, adapters, programs launched, token blocks), non-negative least "
               "squares on relative error. "
@@ -276,7 +272,7 @@ def plot(path: Path, grid: Path = GRID) -> None:
         right.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
         right.set_xlabel("measured us per layer (held out)")
         right.set_ylabel("simulator's fit, us per layer")
-        right.set_title(f"{len(layers)} held-out whole layers, rank tile {KERNEL_RANK_CHUNK}")
+        right.set_title(f"{len(layers)} held-out whole layers, rank tile {tiles.RANK_CHUNK}")
     fig.suptitle(json.loads([line for line in grid.read_text().splitlines() if line.strip()][-1])["device"])
     fig.tight_layout()
     fig.savefig(path, dpi=90)

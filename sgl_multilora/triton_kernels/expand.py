@@ -10,14 +10,15 @@ import torch
 
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.jit import jit_kernel, tl
-from sgl_multilora.triton_kernels.shrink import MIN_BLOCK, rank_tile, token_block
+from sgl_multilora.triton_kernels import tiles
+from sgl_multilora.triton_kernels.tiles import MIN_BLOCK, token_block
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
 
 def expand_config(max_tokens: int, max_slice_width: int, max_rank: int, num_slots: int = 1) -> dict[str, int]:
     """Launch config by shape (a heuristic; the token and rank tiles as shrink's: a rank above the tile is looped
     over)."""
-    block_r = rank_tile(max_rank)
+    block_r = tiles.rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_n = 128 if max_slice_width >= 128 else max(MIN_BLOCK, 1 << (max_slice_width - 1).bit_length())
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n}

@@ -9,31 +9,10 @@ from __future__ import annotations
 import torch
 
 from sgl_multilora.segments import SegmentMeta
+from sgl_multilora.triton_kernels import tiles
 from sgl_multilora.triton_kernels.jit import jit_kernel, tl
+from sgl_multilora.triton_kernels.tiles import TARGET_PROGRAMS, token_block
 from sgl_multilora.triton_kernels.weights import LoRAWeights
-
-MIN_BLOCK = 16  # tl.dot needs every block dimension >= 16
-
-
-def token_block(max_tokens: int, num_slots: int) -> int:
-    """BLOCK_M: 16 for decode-sized steps, or when the tokens are spread thin over many slots (a block of 64 rows
-    would be mostly masked), else 64."""
-    return 16 if max_tokens <= 64 or max_tokens <= 16 * num_slots else 64
-
-
-TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100 / H200
-RANK_CHUNK = 32
-"""The widest rank tile one program computes. The kernels tile every slot of a launch at one width, so without a
-cap a batch mixing ranks 8..128 computed every adapter at 128 (measured on an H100: as slow as all at rank 128);
-above the cap, shrink splits the rank over programs and expand loops over it, each slot over its own rank's tiles
-only. 32 against 64 and no cap (128), interleaved on an H100 over 1,056 shapes and 40 whole layers, chosen by the
-lowest geometric mean: eval/results/lora_step_gpu.md."""
-
-
-def rank_tile(max_rank: int) -> int:
-    """BLOCK_R: the largest rank rounded up to a power of two (at least MIN_BLOCK), at most RANK_CHUNK."""
-    return min(max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length()), max(MIN_BLOCK, RANK_CHUNK))
-
 
 def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: int = 1,
                   num_slices: int = 1) -> dict[str, int]:
@@ -41,7 +20,7 @@ def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: i
     bandwidth-bound and needs enough programs streaming A at once: K is split across programs until the launch has
     about TARGET_PROGRAMS busy ones (measured on an H200: without the split, 128 decode tokens on one adapter of
     `down` ran 2 programs and took 7x the time of 64 tokens; eval/results/lora_kernels.md)."""
-    block_r = rank_tile(max_rank)
+    block_r = tiles.rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_k = 128 if block_r <= 32 else 64
     # Busy (slot, token block, rank tile) triples: at least the token blocks, up to one per slot when tokens are

@@ -108,12 +108,12 @@ def test_split_k_shrink_matches_reference():
 
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_ranks_above_the_rank_tile_are_split_into_tiles(monkeypatch, split_k):
-    """Ranks wider than the tile (RANK_CHUNK lowered to 16 here; 64 in use, so rank 128 takes two tiles): shrink
+    """Ranks wider than the tile (RANK_CHUNK lowered to 16 here; 32 in use, so rank 128 takes four tiles): shrink
     spreads a slot's rank over programs, expand loops over it, a partial last tile (40 = 16 + 16 + 8) included,
     beside slots of one tile and of none."""
-    import sgl_multilora.triton_kernels.shrink as shrink
+    from sgl_multilora.triton_kernels import tiles
 
-    monkeypatch.setattr(shrink, "RANK_CHUNK", 16)
+    monkeypatch.setattr(tiles, "RANK_CHUNK", 16)
     p = make_problem(num_tokens=30, in_features=64, slice_widths=[32, 16, 16], ranks=[40, 8, None, 64, 16],
                      popularity="zipf:1.0", dtype=torch.float32, seed=3)
     weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)

@@ -10,24 +10,23 @@ from eval.sim.latency import LatencyModel
 from eval.sim.lora_cost import (
     GRID,
     GROUPS,
-    KERNEL_RANK_CHUNK,
     _results,
     groups_of,
     layer_batch,
     measured_model,
     measured_us,
     nnls,
-    token_block,
 )
 
 
-def test_mirrors_the_kernels_launch_rules():
-    from sgl_multilora.triton_kernels import shrink
+def test_the_fit_reads_the_kernels_current_tile():
+    """The grid was timed at every rank tile the A/B offered; the fit must find the kernels' current RANK_CHUNK among
+    them on every row (a tile changed without measuring it again fails here)."""
+    from sgl_multilora.triton_kernels import tiles
 
-    assert KERNEL_RANK_CHUNK == shrink.RANK_CHUNK
-    for tokens in (1, 16, 63, 64, 65, 256, 1024, 1025, 8192):
-        for adapters in (1, 4, 16, 64, 96):
-            assert token_block(tokens, adapters) == shrink.token_block(tokens, adapters)
+    rows, layers = _results(GRID)
+    assert rows and all(str(tiles.RANK_CHUNK) in r["latency_us"]["rank_chunk"] for r in rows + layers)
+    assert all(measured_us(r) == r["latency_us"]["rank_chunk"][str(tiles.RANK_CHUNK)] for r in rows)
 
 
 def test_predicts_held_out_whole_layers():
