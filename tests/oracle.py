@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ ORACLE_TOP_K = 2 * TOP_K  # kept by the oracle, so a served top-k entry at the b
 MIN_COMPARED_TOKENS = 8  # generated tokens every comparison covers (unless it ends early at a near tie)
 MAX_EARLY_SHARE = 0.05  # a run fails when more of its comparisons than this end early at a near tie
 PAD_SLACK = 1.25  # the oracle batches prompts whose lengths differ by at most this factor (`PeftOracle.prefetch`)
+# Adapters kept loaded in the oracle's PEFT model; the least recently used one is deleted past this. PEFT's
+# `load_adapter` walks every module of the model, its other adapters' included: with 24 random adapters loaded a
+# load took about 1 s, with a few 0.2 s. A deleted adapter loads again from its directory when a prompt needs it.
+MAX_LOADED_ADAPTERS = 4
 
 
 @dataclass(frozen=True)
@@ -93,11 +98,13 @@ class OracleStats:
     early: list[str] = field(default_factory=list)
     max_logprob_diff: float = 0.0  # over the compared tokens' logprobs
     max_top_diff: float = 0.0  # over the compared top-k entries
+    peft_seconds: float = 0.0  # spent computing PEFT's outputs (adapter loads included)
 
     def summary(self) -> str:
         return (f"oracle: {self.num_comparisons} comparisons, {self.num_tokens} tokens compared, "
                 f"{len(self.early)} ended early at a near tie; max |logprob diff| {self.max_logprob_diff:.1e} "
-                f"(tokens), {self.max_top_diff:.1e} (top-{TOP_K}), tolerance {LOGPROB_ATOL:.0e}")
+                f"(tokens), {self.max_top_diff:.1e} (top-{TOP_K}), tolerance {LOGPROB_ATOL:.0e}; PEFT computed for "
+                f"{self.peft_seconds:.0f} s")
 
     def too_many_early(self) -> bool:
         return len(self.early) > MAX_EARLY_SHARE * self.num_comparisons
@@ -134,8 +141,9 @@ def one_thread() -> Iterator[None]:
 
 
 class PeftOracle:
-    """One fp32 base model; each adapter directory is loaded once into a PEFT model sharing it. Results are cached
-    per (adapter, prompt, activation shift, ignore_eos): a request for fewer tokens reuses a longer run."""
+    """One fp32 base model; an adapter directory is loaded into a PEFT model sharing it when a prompt needs it (at
+    most MAX_LOADED_ADAPTERS at a time). Results are cached per (adapter, prompt, activation shift, ignore_eos): a
+    request for fewer tokens reuses a longer run. `seconds` counts the time spent computing them."""
 
     def __init__(self, model_path: str, eos_token_ids: set[int]):
         from transformers import AutoModelForCausalLM
@@ -144,7 +152,8 @@ class PeftOracle:
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.eos_token_ids = eos_token_ids
         self.peft = None
-        self.loaded: dict[str, str] = {}  # adapter dir -> PEFT adapter name
+        self.loaded: dict[str, str] = {}  # adapter dir -> PEFT adapter name, least recently used first
+        self.num_loads = 0
         self._cache: dict[tuple, OracleOutput] = {}
 
     def _select(self, adapter_dir: str | None):
@@ -152,14 +161,18 @@ class PeftOracle:
 
         if adapter_dir is None:
             return None
-        if adapter_dir not in self.loaded:
-            name = f"a{len(self.loaded)}"
+        name = self.loaded.pop(adapter_dir, None)
+        if name is None:
+            name = f"a{self.num_loads}"
+            self.num_loads += 1
             if self.peft is None:
                 self.peft = PeftModel.from_pretrained(self.base, adapter_dir, adapter_name=name).eval()
             else:
                 self.peft.load_adapter(adapter_dir, adapter_name=name)
-            self.loaded[adapter_dir] = name
-        self.peft.set_adapter(self.loaded[adapter_dir])
+        self.loaded[adapter_dir] = name  # now the most recently used
+        self.peft.set_adapter(name)
+        while len(self.loaded) > MAX_LOADED_ADAPTERS:
+            self.peft.delete_adapter(self.loaded.pop(next(iter(self.loaded))))
         return self.peft
 
     def activation_start(self, adapter_dir: str, input_ids: list[int]) -> int | None:
@@ -185,10 +198,11 @@ class PeftOracle:
         cached = self._cache.get(key)
         if cached is not None and (len(cached.tokens) >= max_new_tokens or cached.stopped_at_eos):
             return cached.head(max_new_tokens)
-        model = self._select(adapter_dir)
-        start = self._shifted_start(adapter_dir, input_ids, activation_shift)
-        with one_thread(), self._serving(model) as module:
-            out = self._decode(module, input_ids, max_new_tokens, ignore_eos, start)
+        with _timed(), one_thread():
+            model = self._select(adapter_dir)
+            start = self._shifted_start(adapter_dir, input_ids, activation_shift)
+            with self._serving(model) as module:
+                out = self._decode(module, input_ids, max_new_tokens, ignore_eos, start)
         self._cache[key] = out
         return out
 
@@ -231,6 +245,10 @@ class PeftOracle:
             rows = wanted.setdefault(adapter_dir, {})
             longest = max(max_new_tokens, rows[key][1] if key in rows else 0)
             rows[key] = (list(input_ids), longest, shift)
+        with _timed():
+            self._prefetch(wanted, ignore_eos, batch_size)
+
+    def _prefetch(self, wanted: dict, ignore_eos: bool, batch_size: int) -> None:
         for adapter_dir, rows in wanted.items():
             model = self._select(adapter_dir)
             is_alora = model is not None and bool(model.peft_config[self.loaded[adapter_dir]].alora_invocation_tokens)
@@ -259,7 +277,7 @@ class PeftOracle:
                 extra = {"alora_offsets": [None if s is None else (len(p) - s if past is None else 1)
                                            for s, p in zip(starts, prompts)]}
             out = model(input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=past,
-                        use_cache=True, **extra)
+                        use_cache=True, logits_to_keep=1, **extra)
             lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
             top = torch.topk(lp, ORACLE_TOP_K)
             for b, (tokens, logprobs, top_ids, top_lps, gaps) in enumerate(rows):
@@ -285,7 +303,8 @@ class PeftOracle:
         past, step_input = None, list(input_ids)
         for _ in range(max_new_tokens):
             extra = {} if start is None else {"alora_offsets": [len(input_ids) - start if past is None else 1]}
-            out = model(input_ids=torch.tensor([step_input]), past_key_values=past, use_cache=True, **extra)
+            out = model(input_ids=torch.tensor([step_input]), past_key_values=past, use_cache=True, logits_to_keep=1,
+                        **extra)
             lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
             top = torch.topk(lp, ORACLE_TOP_K)
             token = int(top.indices[0])
@@ -298,6 +317,15 @@ class PeftOracle:
                 return OracleOutput(tokens, logprobs, top_ids, top_lps, gaps, stopped_at_eos=True)
             past, step_input = out.past_key_values, [token]
         return OracleOutput(tokens, logprobs, top_ids, top_lps, gaps, stopped_at_eos=False)
+
+
+@contextlib.contextmanager
+def _timed() -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        STATS.peft_seconds += time.perf_counter() - start
 
 
 def _length_buckets(keys: list[tuple], batch_size: int) -> Iterator[list[tuple]]:

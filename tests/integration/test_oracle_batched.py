@@ -60,3 +60,28 @@ def test_batched_oracle_outputs_equal_one_at_a_time(model_path, tokenizer, items
         stops += want.stopped_at_eos
     # The cases cover what batching could get wrong: rows ending at EOS next to rows that run on.
     assert 0 < stops < len(items), stops
+
+
+def test_adapters_deleted_past_the_cap_load_again_and_answer_the_same(model_path, tokenizer, manifest, monkeypatch):
+    """The oracle keeps at most MAX_LOADED_ADAPTERS adapters in its PEFT model: past the cap the least recently used
+    is deleted (and its layers with it), and a prompt on it later loads it again and gets what a fresh oracle gets,
+    bit for bit."""
+    import tests.oracle as oracle_module
+
+    monkeypatch.setattr(oracle_module, "MAX_LOADED_ADAPTERS", 2)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[1]}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    entries = [e for e in manifest if e["kind"] == "lora"][:3]
+    assert len(entries) == 3
+    oracle = PeftOracle(model_path, eos_token_ids={tokenizer.eos_token_id})
+    first = [oracle.greedy(e["path"], ids, 4, ignore_eos=True) for e in entries]
+    assert list(oracle.loaded) == [entries[1]["path"], entries[2]["path"]]  # the first was deleted
+    assert set(oracle.peft.peft_config) == set(oracle.loaded.values())
+    assert not any(n.split(".")[-1] == "a0" for n, _ in oracle.peft.named_modules())  # the first load's layers
+    assert any(n.split(".")[-1] == "a1" for n, _ in oracle.peft.named_modules())
+    again = oracle.greedy(entries[0]["path"], ids + [ids[-1]], 4, ignore_eos=True)  # a new prompt: computed again
+    assert oracle.num_loads == 4 and list(oracle.loaded)[-1] == entries[0]["path"]
+    fresh = PeftOracle(model_path, eos_token_ids={tokenizer.eos_token_id})
+    assert again == fresh.greedy(entries[0]["path"], ids + [ids[-1]], 4, ignore_eos=True)
+    assert first[0] == fresh.greedy(entries[0]["path"], ids, 4, ignore_eos=True)
+    assert first[0] != first[1]  # the adapters differ, so answering with the wrong one would show
