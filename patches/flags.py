@@ -71,6 +71,8 @@ class MultiLoRAArgs:
     # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
     # gets one by a slot squash, whatever the prediction says.
     slot_squash_share: float = 0.5
+    # multiqueue with --max-loras-per-batch: a request is retracted by slot squashes at most this often (0: never).
+    max_slot_squashes: int = 1
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -120,6 +122,16 @@ def _positive_int(value: str) -> int:
         number = 0
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a non-negative integer")
     return number
 
 
@@ -282,6 +294,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-loras-per-batch adapter slots gets one: the running requests of the adapter cheapest to recompute "
         "are retracted (before that, only a predicted SLO miss does it). Lower: shorter first-token waits, longer "
         "end-to-end times for the retracted requests.",
+    )
+    group.add_argument(
+        "--multilora-max-slot-squashes",
+        type=_non_negative_int,
+        default=MultiLoRAArgs.max_slot_squashes,
+        metavar="N",
+        help="multiqueue: a running request is retracted by slot squashes at most N times (0: no slot squash). "
+        "Higher keeps squashing possible under sustained load, when every running adapter already holds a "
+        "request retracted once; each retraction costs that request a recompute of what it had.",
     )
     group.add_argument(
         "--multilora-lora-ops",

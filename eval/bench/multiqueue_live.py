@@ -13,7 +13,8 @@ SLO: an adapter waiting that long for a batch slot stops new admissions of the r
 the stock answer to the per-batch adapter cap that the multi-queue's slot squash also answers. Optional arm
 `multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first). Optional arm
 `multiqueue-squash25`: multiqueue with `--multilora-slot-squash-share 0.25` (a slot squash after a quarter of the SLO
-spent waiting for an adapter slot, not half).
+spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
+`--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT).
@@ -72,7 +73,8 @@ def main() -> None:
     args = parser.parse_args()
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
              "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"],
-             "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"]}
+             "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
+             **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)}}
     unknown = [a for a in args.arms.split(",") if a not in known]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")

@@ -51,6 +51,7 @@ class SimConfig:
     max_loras_per_batch: int | None = None  # SGLang's cap on distinct adapters per batch (base one); None: none
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
     slot_squash_share: float = SchedConfig.slot_squash_share  # multiqueue with a cap: --multilora-slot-squash-share
+    max_slot_squashes: int = SchedConfig.max_slot_squashes  # multiqueue with a cap: --multilora-max-slot-squashes
 
 
 @dataclass

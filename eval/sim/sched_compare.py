@@ -99,7 +99,8 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
     params = workload_params(rate, args.window_s)
     w = generate(params, seed)
     config = SimConfig(admission=policy, ttft_slo_s=slo_s or SimConfig.ttft_slo_s,
-                       max_loras_per_batch=args.max_loras_per_batch, slot_squash_share=args.slot_squash_share)
+                       max_loras_per_batch=args.max_loras_per_batch, slot_squash_share=args.slot_squash_share,
+                       max_slot_squashes=args.max_slot_squashes)
     start = time.perf_counter()
     run = simulate(args.system, w.adapters, w.requests, experiment="sim_chameleon", lat=lat, config=config)
     wall = time.perf_counter() - start
@@ -126,7 +127,7 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     light = [run_one(args.light_rate, seed, "fcfs", args, None, lat, kind="light")
              for seed in tqdm(args.seeds, desc="light load (SLO)", unit="run")]
     slo_s = slo_from_light(light)
-    jobs = [(rate, seed, policy) for rate in args.rates for seed in args.seeds for policy in POLICIES]
+    jobs = [(rate, seed, policy) for rate in args.rates for seed in args.seeds for policy in args.policies]
     records = light
     for rate, seed, policy in tqdm(jobs, desc="simulating", unit="run"):
         records.append(run_one(rate, seed, policy, args, slo_s, lat))
@@ -144,10 +145,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="SGLang's cap on distinct adapters per batch, every policy alike (default: none)")
     ap.add_argument("--slot-squash-share", type=float, default=SimConfig.slot_squash_share,
                     help="multiqueue's --multilora-slot-squash-share (with a cap)")
+    ap.add_argument("--max-slot-squashes", type=int, default=SimConfig.max_slot_squashes,
+                    help="multiqueue's --multilora-max-slot-squashes (with a cap)")
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
+                    help=f"comma-separated, fcfs first (default: {','.join(POLICIES)})")
     ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
     ap.add_argument("--out", default="eval/results/sim_chameleon")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown or not args.policies or args.policies[0] != "fcfs":
+        ap.error(f"--policies: fcfs first, then any of {', '.join(POLICIES[1:])} (got {','.join(args.policies)})")
     out = Path(args.out)
     if args.markdown_only:
         with open(f"{out}.jsonl") as f:
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{out}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+    if {r["setup"]["policy"] for r in records if r["kind"] == "sweep"} != set(POLICIES):
+        print(f"wrote {out}.jsonl; the report ({out}.md) compares every policy: run without --policies for it")
+        return
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--markdown-only"]
     md = markdown(records, command=" ".join([".venv/bin/python -m eval.sim.sched_compare", *argv]))
     Path(f"{out}.md").write_text(md + "\n")

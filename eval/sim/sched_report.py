@@ -197,8 +197,13 @@ def _sched_note(records: list[dict], rate: float) -> str:
 
 
 def _cap(setup: dict) -> str:
-    cap = setup["sim_config"].get("max_loras_per_batch")
-    return f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`" if cap else ""
+    sim = setup["sim_config"]
+    cap = sim.get("max_loras_per_batch")
+    if not cap:
+        return ""
+    share, bound = sim.get("slot_squash_share", 0.5), sim.get("max_slot_squashes", 1)  # older records: the defaults
+    return (f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`; multiqueue's slot "
+            f"squash after {share:g} of the SLO, at most {bound} per request")
 
 
 def markdown(records: list[dict], command: str) -> str:

@@ -65,6 +65,12 @@ class SchedConfig:
     end-to-end times for the requests retracted. 0.25 against 0.5, simulated at GPU scale under
     SGLang's cap of 8 and live on two seeds: README, Adapter-aware admission; 0.5 stays the default
     (live, 0.25's SLO goodput was lower at two of three rates on the second seed)."""
+    max_slot_squashes: int = 1
+    """With a cap on adapters per batch, a request is retracted by slot squashes at most this often
+    (its memory squashes counted too); 0: no slot squash. Each squash serves a request that has
+    produced no token yet and a retracted request is never served by one, so squashes cannot
+    cycle whatever the bound; a higher bound keeps victims available when every running adapter
+    holds a request squashed before (slots.py)."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -82,6 +88,7 @@ class SchedConfig:
             "max_squashes >= 0": self.max_squashes >= 0,
             "overdue_s > 0": self.overdue_s > 0,
             "0 <= slot_squash_share <= 1": 0 <= self.slot_squash_share <= 1,
+            "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

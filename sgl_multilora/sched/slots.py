@@ -28,7 +28,7 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    requests), among those whose requests may all still be
    squashed (`max_squashes` each) and whose recompute takes less than the SLO at the timing model's
    prefill rate. Bounds: one squash at a time (none while a reservation is pending), a request
-   squashed at most `max_squashes` times, and a retracted request is never R1 (its first token is
+   squashed at most `max_slot_squashes` times, and a retracted request is never R1 (its first token is
    out; its TTFT cannot be saved), so squashes cannot cascade or alternate.
 """
 
@@ -107,7 +107,7 @@ def choose_slot_squash(r1: SchedRequest,
     for adapter, reqs in running.items():
         if adapter in excluded or adapter == r1.adapter or not reqs:
             continue
-        if any(r is None or r.num_squashes >= config.max_squashes for r in reqs):
+        if any(r is None or r.num_squashes >= config.max_slot_squashes for r in reqs):
             continue
         cost = sum(recompute_tokens(r) for r in reqs)
         if cost * config.timing.prefill_s_per_token >= slo:

@@ -40,6 +40,8 @@ def test_defaults_and_values(tmp_path):
         (["--multilora-idle-watermark", "1.5"], "is not a number between 0 and 1"),
         (["--multilora-swap-interval-ms", "0"], "is not a positive number"),
         (["--multilora-slot-squash-share", "-0.1"], "is not a number between 0 and 1"),
+        (["--multilora-max-slot-squashes", "-1"], "is not a non-negative integer"),
+        (["--multilora-max-slot-squashes", "1.5"], "is not a non-negative integer"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, message, capsys):
@@ -84,6 +86,8 @@ def test_memory_flags(monkeypatch):
         "separate", "lru", 0.5, 20.0)
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-squash-share", "0.25"])
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
+    assert flags.pop_from_namespace(ns).max_slot_squashes == 0
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:

@@ -1,8 +1,9 @@
 """Adapter slots (the engine's cap on distinct adapters per batch) in the multi-queue scheduler:
 admission passes over a request that needs a slot none is left for without blocking its queue;
 the slot squash retracts the adapter cheapest to recompute for the oldest request about to miss
-its TTFT SLO, reserves the freed slot for it, and is bounded (never for a resumed request, never
-twice for one victim, one at a time, never when recomputing costs more than the SLO).
+its TTFT SLO, reserves the freed slot for it, and is bounded (never for a resumed request, at most
+`max_slot_squashes` times for one victim, one at a time, never when recomputing costs more than the
+SLO).
 
 Timing: 1 ms per prompt token and 0.1 s per output token; TTFT SLO 2 s.
 """
@@ -30,7 +31,7 @@ TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
 def make(**config) -> MultiQueueScheduler:
     """A scheduler with one queue of 100,000 tokens; `config` overrides SchedConfig fields."""
     cfg = SchedConfig(**{"total_tokens": 100_000, "requeue_s": math.inf, "timing": TIMING, "ttft_slo_s": 2.0,
-                         "max_squashes": 1, "initial_norm": WrsNormalizer(1000, 1000, 8), **config})
+                         "max_squashes": 1, "max_slot_squashes": 1, "initial_norm": WrsNormalizer(1000, 1000, 8), **config})
     s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
     s.set_plan([], [100_000])
     return s
@@ -252,6 +253,24 @@ def test_squash_bounds_resumed_beneficiaries_repeat_victims_excluded_and_costly_
     # a resumed request is never a beneficiary: its first token is out
     s.queues.get("c1").resumed = True
     assert s.slot_squash(1.5, running_map(s), 2, recompute) is None
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2, 3])
+def test_a_victim_is_retracted_by_slot_squashes_at_most_the_bound_times(bound):
+    """`max_slot_squashes`: an adapter whose running request has been retracted that often is no victim (0: no slot
+    squash at all); below the bound it is, however often its request was squashed before."""
+    s = make(max_slot_squashes=bound)
+    s.add(req("a1", "a"))
+    s.build_batch(0.0, running_adapters=set(), max_adapters=1)
+    s.add(req("c1", "c", arrival=0.0))
+    for times in range(4):
+        s.running["a1"].num_squashes = times
+        sq = s.slot_squash(1.5, running_map(s), 1, recompute)
+        assert (sq is not None) == (times < bound), (times, bound)
+        if sq is not None:
+            assert sq.adapter == "a" and sq.beneficiary.rid == "c1"
+    with pytest.raises(ValueError, match="max_slot_squashes"):
+        make(max_slot_squashes=-1)
 
 
 def test_the_beneficiary_is_the_oldest_resident_request_needing_a_slot():

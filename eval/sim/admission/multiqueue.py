@@ -66,7 +66,8 @@ class MultiQueueAdmission(BaseAdmission):
                                    initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
                                                               max_rank=max_rank),
                                    timing=timing, overdue_s=self.overdue_s(config),
-                                   slot_squash_share=config.slot_squash_share)
+                                   slot_squash_share=config.slot_squash_share,
+                                   max_slot_squashes=config.max_slot_squashes)
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
