@@ -14,7 +14,9 @@ the stock answer to the per-batch adapter cap that the multi-queue's slot squash
 `multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first). Optional arm
 `multiqueue-squash25`: multiqueue with `--multilora-slot-squash-share 0.25` (a slot squash after a quarter of the SLO
 spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
-`--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice).
+`--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice). Optional
+arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1 --multilora-max-slot-squashes 2`, the setting the simulator
+favours at GPU scale under SGLang's cap of 8 (README, Measured).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT).
@@ -74,7 +76,9 @@ def main() -> None:
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
              "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"],
              "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
-             **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)}}
+             **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)},
+             "multiqueue-eager": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.1",
+                                  "--multilora-max-slot-squashes", "2"]}
     unknown = [a for a in args.arms.split(",") if a not in known]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")
