@@ -143,7 +143,7 @@ def one_thread() -> Iterator[None]:
 class PeftOracle:
     """One fp32 base model; an adapter directory is loaded into a PEFT model sharing it when a prompt needs it (at
     most MAX_LOADED_ADAPTERS at a time). Results are cached per (adapter, prompt, activation shift, ignore_eos): a
-    request for fewer tokens reuses a longer run. `seconds` counts the time spent computing them."""
+    request for fewer tokens reuses a longer run. The time spent computing them adds to `STATS.peft_seconds`."""
 
     def __init__(self, model_path: str, eos_token_ids: set[int]):
         from transformers import AutoModelForCausalLM

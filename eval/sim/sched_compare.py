@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown or not args.policies or args.policies[0] != "fcfs":
         ap.error(f"--policies: fcfs first, then any of {', '.join(POLICIES[1:])} (got {','.join(args.policies)})")
+    if args.max_slot_squashes < 0:
+        ap.error(f"--max-slot-squashes: a non-negative integer (got {args.max_slot_squashes})")
     out = Path(args.out)
     if args.markdown_only:
         with open(f"{out}.jsonl") as f:

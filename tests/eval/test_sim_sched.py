@@ -187,6 +187,6 @@ def test_a_subset_of_policies_writes_the_records_and_no_report(tmp_path, capsys)
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     assert {r["setup"]["policy"] for r in records if r["kind"] == "sweep"} == {"fcfs", "multiqueue"}
     assert not out.with_suffix(".md").exists() and "run without --policies" in capsys.readouterr().out
-    for bad in ("multiqueue,fcfs", "fcfs,fifo"):
-        with pytest.raises(SystemExit):
-            sched_compare.main(["--policies", bad, "--out", str(out)])
+    for bad in (["--policies", "multiqueue,fcfs"], ["--policies", "fcfs,fifo"], ["--max-slot-squashes", "-1"]):
+        with pytest.raises(SystemExit):  # refused before any simulation runs
+            sched_compare.main([*bad, "--out", str(out)])
