@@ -73,9 +73,6 @@ class MultiLoRAArgs:
     slot_squash_share: float = 0.5
     # multiqueue with --max-loras-per-batch: a request is retracted by slot squashes at most this often (0: never).
     max_slot_squashes: int = 1
-    # multiqueue with --max-loras-per-batch: a request that has waited this many TTFT SLOs for an adapter slot may
-    # have requests retracted for it past --multilora-max-slot-squashes (0: never).
-    starved_squash_slos: float = 0.0
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -306,14 +303,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="multiqueue: a running request is retracted by slot squashes at most N times (0: no slot squash). "
         "Higher keeps squashing possible under sustained load, when every running adapter already holds a "
         "request retracted once; each retraction costs that request a recompute of what it had.",
-    )
-    group.add_argument(
-        "--multilora-starved-squash-slos",
-        type=_non_negative_float,
-        default=MultiLoRAArgs.starved_squash_slos,
-        metavar="N",
-        help="multiqueue: a request that has waited N times --multilora-ttft-slo-s for an adapter slot gets one even "
-        "when every running request was already retracted --multilora-max-slot-squashes times (0: never).",
     )
     group.add_argument(
         "--multilora-lora-ops",

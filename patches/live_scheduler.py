@@ -81,7 +81,6 @@ class LiveScheduler:
                              requeue_s=args.requeue_s if args.requeue_s > 0 else math.inf,
                              overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf,
                              slot_squash_share=args.slot_squash_share, max_slot_squashes=args.max_slot_squashes,
-                             starved_squash_slos=args.starved_squash_slos or math.inf,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
         cache = getattr(scheduler, "tree_cache", None)

@@ -16,8 +16,7 @@ the stock answer to the per-batch adapter cap that the multi-queue's slot squash
 spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
 `--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice). Optional
 arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1 --multilora-max-slot-squashes 2`, the setting the simulator
-favours at GPU scale under SGLang's cap of 8 (README, Measured). Optional arm `multiqueue-starved`:
-`--multilora-starved-squash-slos 2` (a request that has waited two SLOs for a slot gets one past the squash bound).
+favours at GPU scale under SGLang's cap of 8 (README, Measured).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT).
@@ -79,8 +78,7 @@ def main() -> None:
              "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
              **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)},
              "multiqueue-eager": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.1",
-                                  "--multilora-max-slot-squashes", "2"],
-             "multiqueue-starved": [*ARMS["multiqueue"], "--multilora-starved-squash-slos", "2"]}
+                                  "--multilora-max-slot-squashes", "2"]}
     unknown = [a for a in args.arms.split(",") if a not in known]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")

@@ -52,7 +52,6 @@ class SimConfig:
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
     slot_squash_share: float = SchedConfig.slot_squash_share  # multiqueue with a cap: --multilora-slot-squash-share
     max_slot_squashes: int = SchedConfig.max_slot_squashes  # multiqueue with a cap: --multilora-max-slot-squashes
-    starved_squash_slos: float = 0.0  # multiqueue with a cap: --multilora-starved-squash-slos (0: never)
 
 
 @dataclass

@@ -202,10 +202,8 @@ def _cap(setup: dict) -> str:
     if not cap:
         return ""
     share, bound = sim.get("slot_squash_share", 0.5), sim.get("max_slot_squashes", 1)  # older records: the defaults
-    starved = sim.get("starved_squash_slos") or 0
-    starved = f", past that for a request waiting {starved:g} SLOs" if starved else ""
     return (f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`; multiqueue's slot "
-            f"squash after {share:g} of the SLO, at most {bound} per request{starved}")
+            f"squash after {share:g} of the SLO, at most {bound} per request")
 
 
 def markdown(records: list[dict], command: str) -> str:

@@ -71,10 +71,6 @@ class SchedConfig:
     produced no token yet and a retracted request is never served by one, so squashes cannot
     cycle whatever the bound; a higher bound keeps victims available when every running adapter
     holds a request squashed before (slots.py)."""
-    starved_squash_slos: float = math.inf
-    """With a cap on adapters per batch, a queued request that has waited this many TTFT SLOs for a
-    slot may have an adapter squashed for it even when every running adapter holds a request
-    retracted `max_slot_squashes` times (slots.py, rule 3). inf (the default): never."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -93,7 +89,6 @@ class SchedConfig:
             "overdue_s > 0": self.overdue_s > 0,
             "0 <= slot_squash_share <= 1": 0 <= self.slot_squash_share <= 1,
             "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
-            "starved_squash_slos > 0": self.starved_squash_slos > 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

@@ -30,13 +30,6 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    prefill rate. Bounds: one squash at a time (none while a reservation is pending), a request
    squashed at most `max_slot_squashes` times, and a retracted request is never R1 (its first token is
    out; its TTFT cannot be saved), so squashes cannot cascade or alternate.
-3. Starved requests. Once every running adapter holds a request squashed `max_slot_squashes` times
-   (sustained load past the knee soon gets there), a queued request could wait out a whole decode:
-   live, requests waited 30 s for a slot under a 2 s SLO (eval/results/multiqueue_live_30adapters_
-   seed1.md). An R1 that has waited `config.starved_squash_slos` SLOs may therefore squash an adapter
-   whatever its requests' counts, those under the bound still preferred. Each such squash serves
-   a distinct request that has produced no token, so the number of squashes stays bounded by the
-   number of requests that starve; the bound 0 still turns the slot squash off.
 """
 
 from __future__ import annotations
@@ -110,20 +103,16 @@ def choose_slot_squash(r1: SchedRequest,
     slo = config.ttft_slo_s
     if age + wait <= slo and age < config.slot_squash_share * slo:
         return None
-    starved = config.max_slot_squashes > 0 and age >= config.starved_squash_slos * slo
-    best: tuple[tuple[int, int, int], str | None, list[SchedRequest]] | None = None
+    best: tuple[tuple[int, int], str | None, list[SchedRequest]] | None = None
     for adapter, reqs in running.items():
         if adapter in excluded or adapter == r1.adapter or not reqs:
             continue
-        if any(r is None for r in reqs):
-            continue
-        squashed = max(r.num_squashes for r in reqs)
-        if squashed >= config.max_slot_squashes and not starved:
+        if any(r is None or r.num_squashes >= config.max_slot_squashes for r in reqs):
             continue
         cost = sum(recompute_tokens(r) for r in reqs)
         if cost * config.timing.prefill_s_per_token >= slo:
             continue
-        key = (int(squashed >= config.max_slot_squashes), cost, len(reqs))
+        key = (cost, len(reqs))
         if best is None or key < best[0]:
             best = (key, adapter, reqs)
     if best is None:

@@ -42,7 +42,6 @@ def test_defaults_and_values(tmp_path):
         (["--multilora-slot-squash-share", "-0.1"], "is not a number between 0 and 1"),
         (["--multilora-max-slot-squashes", "-1"], "is not a non-negative integer"),
         (["--multilora-max-slot-squashes", "1.5"], "is not a non-negative integer"),
-        (["--multilora-starved-squash-slos", "-2"], "is not a number >= 0"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, message, capsys):
@@ -89,8 +88,6 @@ def test_memory_flags(monkeypatch):
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
     assert flags.pop_from_namespace(ns).max_slot_squashes == 0
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-starved-squash-slos", "2.5"])
-    assert flags.pop_from_namespace(ns).starved_squash_slos == 2.5
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:

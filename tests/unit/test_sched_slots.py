@@ -273,34 +273,6 @@ def test_a_victim_is_retracted_by_slot_squashes_at_most_the_bound_times(bound):
         make(max_slot_squashes=-1)
 
 
-@pytest.mark.parametrize("bound", [1, 2])
-def test_a_request_starved_of_a_slot_squashes_past_the_bound_preferring_adapters_under_it(bound):
-    """`starved_squash_slos`: once every running adapter's requests have been retracted `max_slot_squashes` times,
-    a queued request gets no squash until it has waited that many SLOs; then it does, and an adapter still under the
-    bound goes before a cheaper one past it. Off (inf) it never does; the bound 0 still means no slot squash."""
-    s = make(max_slot_squashes=bound, starved_squash_slos=3.0)  # SLO 2 s: starved after 6 s
-    s.add(req("a1", "a", in_len=10))
-    s.add(req("b1", "b", in_len=400))
-    s.build_batch(0.0, running_adapters=set(), max_adapters=2)
-    s.add(req("c1", "c", arrival=0.0))
-    s.running["a1"].num_squashes = bound
-    s.running["b1"].num_squashes = bound
-    assert s.slot_squash(5.9, running_map(s), 2, recompute) is None  # both at the bound, c1 not starved yet
-    sq = s.slot_squash(6.0, running_map(s), 2, recompute)
-    assert sq is not None and sq.adapter == "a" and sq.beneficiary.rid == "c1"  # the cheaper of the two
-    s.running["b1"].num_squashes = bound - 1  # b under the bound: it goes first, though dearer
-    assert s.slot_squash(6.0, running_map(s), 2, recompute).adapter == "b"
-    assert s.slot_squash(1.5, running_map(s), 2, recompute).adapter == "b"  # (as before rule 3: b is a victim)
-    s.running["b1"].num_squashes = bound
-
-    s.config = dataclasses.replace(s.config, starved_squash_slos=math.inf)
-    assert s.slot_squash(60.0, running_map(s), 2, recompute) is None
-    s.config = dataclasses.replace(s.config, starved_squash_slos=3.0, max_slot_squashes=0)
-    assert s.slot_squash(60.0, running_map(s), 2, recompute) is None
-    with pytest.raises(ValueError, match="starved_squash_slos"):
-        make(starved_squash_slos=0.0)
-
-
 def test_the_beneficiary_is_the_oldest_resident_request_needing_a_slot():
     s = make()
     s.add(req("a1", "a"))

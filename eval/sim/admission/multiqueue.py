@@ -67,8 +67,7 @@ class MultiQueueAdmission(BaseAdmission):
                                                               max_rank=max_rank),
                                    timing=timing, overdue_s=self.overdue_s(config),
                                    slot_squash_share=config.slot_squash_share,
-                                   max_slot_squashes=config.max_slot_squashes,
-                                   starved_squash_slos=config.starved_squash_slos or math.inf)
+                                   max_slot_squashes=config.max_slot_squashes)
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
