@@ -41,6 +41,7 @@ from tqdm import tqdm
 from eval.bench.results import save
 from eval.bench.unified_memory import CACHE, make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
+from eval.sim import sched_report
 from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
 
@@ -189,6 +190,7 @@ def report(record: dict) -> str:
                 if ratios["P50 TTFT"]:
                     lines.append("- time scale {:g}: ".format(scale) + ", ".join(
                         f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items() if v))
+    lines += max_rate_lines(record)
     stats = record.get("multiqueue_stats_at_end") or {}
     if stats:
         counts = stats.get("counts", {})
@@ -197,6 +199,47 @@ def report(record: dict) -> str:
                   f"bypasses {counts.get('bypasses')}, overdue admissions {counts.get('overdue')}, "
                   f"predictor {stats.get('predictor')}."]
     return "\n".join(lines) + "\n"
+
+
+def max_rate_lines(record: dict) -> list[str]:
+    """Each arm's max rate under the TTFT SLO, with the simulator's definition (eval/sim/sched_compare.py): an arm
+    sustains a rate when the median over repeats of its P99 TTFT is within the SLO; its max rate is the highest swept
+    rate up to which it sustains every swept rate, interpolated linearly in P99 to the next swept rate. The ratio to
+    each baseline is of those rates (interpolated where both are)."""
+    s, runs = record["setup"], record["runs"]
+    by_scale = {r["time_scale"]: r["rate_req_s"] for r in runs}
+    rates = [by_scale[t] for t in s["time_scales"] if t in by_scale]
+    if len(rates) < 2:
+        return []
+    g: dict[tuple[float, str], dict[int, dict]] = {}
+    for r in runs:
+        if r.get("num_ok"):
+            g.setdefault((r["rate_req_s"], r["arm"]), {})[r["repeat"]] = {"ttft_p99_s": r["p99_ttft_s"]}
+    arms = [a for a in s["arms"] if all((rate, a) in g for rate in rates)]
+    found = {a: sched_report.max_rate(g, rates, a, s["slo_s"]) for a in arms}
+
+    def said(best, crossing):
+        if best is None:
+            return f"none (P99 above the SLO already at {rates[0]:.2f} req/s)"
+        if crossing is None:
+            return f"at least {best:.2f} req/s (every swept rate)"
+        return f"{best:.2f} req/s swept, {crossing:.2f} req/s interpolated"
+
+    lines = ["", f"Max rate under the TTFT SLO of {s['slo_s']:g} s (median P99 over repeats within it, swept "
+             f"{', '.join(f'{r:.2f}' for r in rates)} req/s):", ""]
+    lines += [f"- {a}: {said(*found[a])}" for a in arms]
+    ours_arms = [a for a in arms if a.startswith("multiqueue")]
+    for ours in ours_arms:
+        for base in [a for a in arms if a not in ours_arms]:
+            (ob, oc), (bb, bc) = found[ours], found[base]
+            if ob is None or bb is None:
+                continue
+            exact = oc is not None and bc is not None
+            ratio = (oc / bc) if exact else (ob / bb)
+            bound = "" if exact else (" (of swept rates; at least that where an arm sustains every swept rate)"
+                                      if oc is None else " (of swept rates)")
+            lines.append(f"- {ours} / {base}: {ratio:.2f}x{bound}")
+    return lines
 
 
 if __name__ == "__main__":
