@@ -159,6 +159,14 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     if config.get("modules_to_save"):
         raise _fail(name, f"'modules_to_save' {config['modules_to_save']!r} is not supported (fully trained "
                           f"modules replace the base model's for this adapter only); only lora_A / lora_B weights")
+    if config.get("lora_bias"):
+        raise _fail(name, "'lora_bias' (a trained bias on lora_B) is not supported; only lora_A / lora_B weights")
+    if config.get("trainable_token_indices"):
+        raise _fail(name, "'trainable_token_indices' is not supported (trained embedding rows replace the base "
+                          "model's for this adapter only); only lora_A / lora_B weights")
+    if config.get("layer_replication"):
+        raise _fail(name, f"'layer_replication' {config['layer_replication']!r} is not supported (it changes the "
+                          "base model's stack of layers)")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _fail(name, f"per-module '{key}' is not supported")
