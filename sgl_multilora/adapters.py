@@ -31,6 +31,8 @@ DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30  # rank-64 adapters on every projection of a
 
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (3, "q_proj", "A")
 _WEIGHT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.default)?\.weight$")
+_OUTSIDE_LAYERS = frozenset({"embed_tokens", "lm_head", "wte", "embed_in", "embed_out"})
+"""Modules every causal LM has outside its decoder layers (Llama's and GPT-style names), which PEFT can target."""
 _LORA_SUFFIX = re.compile(r"\.lora_[AB](?:\.default)?\.weight$")
 
 
@@ -301,6 +303,13 @@ def check_against_model(spec: AdapterSpec, shape: ModelShape) -> None:
             f"rank {spec.rank} exceeds the server's maximum LoRA rank {shape.max_rank} (--max-lora-rank)",
         )
     missing = sorted(set(spec.target_modules) - set(shape.modules))
+    outside = [m for m in missing if m in _OUTSIDE_LAYERS]
+    if outside:
+        raise _fail(
+            spec.name,
+            f"LoRA on {outside} is not supported: only the decoder layers' projections "
+            f"({sorted(shape.modules)}) take LoRA weights here",
+        )
     if missing:
         raise _fail(
             spec.name,

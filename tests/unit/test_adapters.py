@@ -176,6 +176,12 @@ def test_missing_directory(tmp_path):
         load_adapter(tmp_path / "nowhere", SHAPE, name="x")
 
 
+@pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
+def test_a_target_outside_the_decoder_layers_is_named_as_unsupported(tmp_path, module):
+    with pytest.raises(AdapterError, match=rf"LoRA on \['{module}'\] is not supported: only the decoder layers'"):
+        load_adapter(write_adapter(tmp_path / "head", targets=("q_proj", module)), SHAPE)
+
+
 def test_rank_above_server_limit(tmp_path):
     with pytest.raises(AdapterError, match="rank 8 exceeds the server's maximum LoRA rank 4"):
         load_adapter(write_adapter(tmp_path / "big", r=8), SHAPE)
