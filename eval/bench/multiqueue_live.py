@@ -19,7 +19,8 @@ arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1 --multilora-max-slot-
 favours at GPU scale under SGLang's cap of 8 (README, Measured).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
-(what a squash costs the requests it retracts shows there, not in TTFT).
+(what a squash costs the requests it retracts shows there, not in TTFT). Per arm: its max rate under the TTFT SLO,
+defined as the simulator defines it (`max_rate_lines`); sweep time scales from below the baselines' knee to find it.
 
 Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
            [--arms fcfs,fcfs-drain,lpm,multiqueue] [--out eval/results/multiqueue_live.jsonl]
