@@ -19,8 +19,9 @@ Finished requests return their quota and teach the output-length predictor; a re
 of memory) is re-queued. The rank of a base-model request is 0; a request's size counts the prompt tokens our tree
 did not hold when it arrived (`SchedRequest.cached_len`: a follow-up turn with its history cached is small). The
 timing model (T_exec and T_wait of the bypass rule, a queue's service time before any of its requests finished) runs
-on this server's measured figures: the time between consecutive steps while busy, per token of an extend step and
-per decode step (`TIMING_EMA`), starting from the core's defaults until the first step of each kind is measured.
+on this server's measured figures: the time between consecutive steps while busy, per token over recent extend steps
+(token-weighted, `MeasuredRates` says why) and per decode step (`TIMING_EMA`), starting from the core's defaults until
+the first step of each kind is measured.
 
 Squashes (Chameleon's bypass rule, `sgl_multilora/sched/bypass.py`), before each pass with the unified pool: a
 running request R2 that bypassed a queued R1 (R1's adapter could not be made resident even after evicting every
@@ -59,7 +60,7 @@ from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.multiqueue import MultiQueueScheduler
-from sgl_multilora.sched.request import SchedRequest, TimingModel
+from sgl_multilora.sched.request import MeasuredRates, SchedRequest, TimingModel
 from sgl_multilora.sched.wrs import WrsNormalizer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class LiveScheduler:
         self.num_requeued = 0
         self.num_squashed = 0
         self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
-        self._measured: dict[str, float] = {}  # "prefill_s_per_token" / "decode_s_per_token" -> EMA
+        self._rates = MeasuredRates(TIMING_EMA)
 
     @staticmethod
     def now() -> float:
@@ -133,22 +134,18 @@ class LiveScheduler:
             return
         mode = batch.forward_mode
         if mode.is_decode():
-            self._measure("decode_s_per_token", now - last)
+            self._rates.observe_decode(now - last)
         elif mode.is_extend():
-            tokens = int(getattr(batch, "extend_num_tokens", 0) or 0)
-            if tokens > 0:
-                self._measure("prefill_s_per_token", (now - last) / tokens)
-
-    def _measure(self, key: str, value: float) -> None:
-        old = self._measured.get(key)
-        new = self._measured[key] = value if old is None else old + TIMING_EMA * (value - old)
-        applied = getattr(self.mq.config.timing, key)
-        if old is None or abs(new - applied) > TIMING_RESYNC * applied:  # a new config only on a real change
-            self.mq.config = dataclasses.replace(self.mq.config, timing=self.timing())
+            self._rates.observe_prefill(now - last, int(getattr(batch, "extend_num_tokens", 0) or 0))
+        else:
+            return
+        applied, measured = self.mq.config.timing, self._rates.rates()
+        if any(abs(v - getattr(applied, k)) > TIMING_RESYNC * getattr(applied, k) for k, v in measured.items()):
+            self.mq.config = dataclasses.replace(self.mq.config, timing=self.timing())  # only on a real change
 
     def timing(self) -> TimingModel:
         """The core's timing model on the measured rates (its defaults where none is measured yet)."""
-        return dataclasses.replace(TimingModel(), **self._measured)
+        return dataclasses.replace(TimingModel(), **self._rates.rates())
 
     # ---- one admission pass -----------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ multi-queue batch building with bypass and squash.
 Lives here: the engine-agnostic core, plain Python (no sglang, no torch), driven by a live SGLang
 hook and by the simulator alike. Not here: memory or adapter loading (callers answer "is this
 adapter resident" and start prefetches through callbacks) and SGLang's request objects.
-Module map: request (SchedRequest, TimingModel), wrs, predictor, kmeans, quotas, plan, queues,
+Module map: request (SchedRequest, TimingModel, MeasuredRates), wrs, predictor, kmeans, quotas, plan, queues,
 admission (one queue's scan), bypass, config, stats, multiqueue (MultiQueueScheduler).
 """
 
@@ -18,12 +18,12 @@ from sgl_multilora.sched.multiqueue import MultiQueueScheduler
 from sgl_multilora.sched.plan import SchedPlan, fit_plan
 from sgl_multilora.sched.predictor import OutputLengthPredictor, PredictorStats
 from sgl_multilora.sched.quotas import QueueLoad, QuotaPlan, plan_quotas
-from sgl_multilora.sched.request import SchedRequest, TimingModel
+from sgl_multilora.sched.request import MeasuredRates, SchedRequest, TimingModel
 from sgl_multilora.sched.stats import QueueInfo, SchedStats
 from sgl_multilora.sched.wrs import WrsNormalizer, fit_normalizer
 
 __all__ = [
-    "Clustering", "IsResident", "MultiQueueScheduler", "OutputLengthPredictor", "PredictorStats",
+    "Clustering", "IsResident", "MeasuredRates", "MultiQueueScheduler", "OutputLengthPredictor", "PredictorStats",
     "QueueInfo", "QueueLoad", "QuotaPlan", "RequestPrefetch", "SchedConfig", "SchedPlan",
     "SchedRequest", "SchedStats", "SquashInfo", "TimingModel", "WrsNormalizer",
     "choose_clustering", "fit_normalizer", "fit_plan", "kmeans_1d", "plan_quotas",
