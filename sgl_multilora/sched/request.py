@@ -101,8 +101,8 @@ class MeasuredRates:
     over the model's layers, the sampling, the scheduler's own work) plus a part per token, and on a live server many
     extend steps are small: a prompt of a few tokens, a follow-up turn whose history is cached, a retracted request
     resuming from its kept KV. A mean of per-step ratios charges each small step's fixed part to its few tokens: on
-    the 2-core CPU server it read 0.01-0.10 s per token (every small step's fixed part) where a 400-token prompt takes
-    about 1 ms a token, and the slot squash's victim filter (slots.py: recompute within the SLO) then excluded any
+    the 2-core CPU server it read 0.01-0.10 s per token (every small step's fixed part) where the token-weighted rate
+    reads about 3 ms, and the slot squash's victim filter (slots.py: recompute within the SLO) then excluded any
     adapter whose running requests held more than a few dozen tokens. The token-weighted rate lets the large steps
     that hold most tokens set it. Decode: seconds per decode step (one token of every running request), the same
     decay. Raises ValueError on a negative time or token count (a caller bug)."""
