@@ -30,6 +30,7 @@ from sgl_multilora.triton_kernels.tiles import token_block
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GRID = RESULTS / "lora_step_gpu.jsonl"
+OTHER_GPUS = (RESULTS / "lora_step_gpu_h200.jsonl",)  # the same benchmark on other GPUs: the fit checked there
 GROUPS = {  # module group -> the projections it fuses (a group runs when an adapter targets any of them)
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -161,6 +162,31 @@ def _geomean(values: list[float]) -> float:
     return float(np.exp(np.mean(np.log(values))))
 
 
+def other_gpu_lines(model: LoRACostModel, paths: Sequence[Path]) -> list[str]:
+    """The fit (made on the main grid's GPU) predicting the same benchmark run on other GPUs, and the rank tile
+    there: does the simulator's LoRA term carry over to a GPU it was not fitted on?"""
+    lines: list[str] = []
+    for path in paths:
+        head = json.loads([line for line in path.read_text().splitlines() if line.strip()][-1])
+        rows, layers = _results(path)
+        grid = [model.group_us(r["setup"]["module"], r["setup"]["tokens_per_adapter"], r["setup"]["ranks"])
+                / measured_us(r) for r in rows]
+        text = (f"{head['date']}; torch {head['versions']['torch']}, triton {head['versions']['triton']}; the same "
+                "command and grid generator. The fit above, made on the other GPU and not refitted, predicting this "
+                f"one: grid fit / measured {_q(grid)} over {len(rows)} shapes")
+        if layers:
+            held = [model.layer_us(layer_batch(r["layer"])) / measured_us(r) for r in layers]
+            text += f"; held-out whole layers fit / measured {_q(held)} over {len(layers)}"
+        for label, sel in (("grid", rows), ("held-out layers", layers)):
+            tiles_ = [r["latency_us"]["rank_chunk"] for r in sel if "rank_chunk" in r["latency_us"]]
+            if tiles_:
+                arms = sorted(tiles_[0], key=int, reverse=True)[1:]
+                text += f"; rank tile / 128 on the {label}, median: " + ", ".join(
+                    f"{c}: {np.median([x[c] / x['128'] for x in tiles_]):.2f}" for c in arms)
+        lines += ["", f"## The same benchmark on another GPU: {head['device']} ({path.name})", "", text + "."]
+    return lines
+
+
 def report(grid: Path = GRID) -> str:
     from eval.sim.latency import LatencyModel
 
@@ -213,6 +239,7 @@ def report(grid: Path = GRID) -> str:
         lines += ["", f"Held out: {len(layers)} whole layers (the four groups in one graph; tokens log-uniform in "
                   "1..8192, 1..96 adapters of random ranks 8..128, Zipf tokens, a third of the adapters on "
                   f"attention only): fit / measured {_q(err)}; |fit / measured - 1| {_q([abs(e - 1) for e in err])}."]
+    lines += other_gpu_lines(model, [p for p in OTHER_GPUS if p.exists()])
     lat = LatencyModel()
     lines += ["", "A step of the simulated Llama-3-8B (32 layers, every adapter on all seven projections), LoRA term "
               "in ms: the fit against the roofline guess it replaces (launch floor 1.02 ms + (weights + tokens x "
