@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, in one run: the GPU tests (kernels compiled, CUDA-graph replay, the host tier's
 # side-stream copies), then the GPU benchmarks (segmented LoRA kernels vs SGLang's, host-tier copies vs recompute,
 # weights read in place from the unified pool vs stacked slot buffers, a step's LoRA work per module group: the
-# simulator's LoRA term is fitted to it by `python -m eval.sim.lora_cost`).
+# simulator's LoRA term is fitted to it by `python -m eval.sim.lora_cost`), the one-tile path against the rank loop.
 # Works on a machine with PyTorch, Triton and transformers but no SGLang: SGLang's LoRA kernels are staged from
 # the installed wheel first (`python -m eval.bench.sglang_kernels .gpu_stage` where SGLang is installed) and
 # carried in .gpu_stage/.
@@ -27,4 +27,6 @@ timeout $((budget + 150)) $py -m eval.bench.lora_kernels --max-seconds "$budget"
   2>&1 | tee "$out/lora_kernels.log" | tail -4
 timeout 420 $py -m eval.bench.lora_step_gpu --max-seconds 200 --layers 40 --rank-chunks 128,64,32 \
   --out "$out/lora_step_gpu.jsonl" 2>&1 | tee "$out/lora_step_gpu.log" | tail -2
+timeout 300 $py -m eval.bench.rank_tile_ab --max-seconds 170 --out "$out/rank_tile_ab.jsonl" 2>&1 \
+  | tee "$out/rank_tile_ab.log" | tail -3
 ls -la "$out"

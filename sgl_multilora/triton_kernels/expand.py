@@ -21,7 +21,7 @@ def expand_config(max_tokens: int, max_slice_width: int, max_rank: int, num_slot
     block_r = tiles.rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_n = 128 if max_slice_width >= 128 else max(MIN_BLOCK, 1 << (max_slice_width - 1).bit_length())
-    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n}
+    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_N": block_n, "ONE_TILE": tiles.one_tile(max_rank)}
 
 
 def lora_expand(
@@ -59,7 +59,7 @@ def lora_expand(
 def _expand_kernel(
     t_ptr, y_ptr, sorted_ids_ptr, seg_indptr_ptr, ranks_ptr, scalings_ptr, b_ptrs_ptr, b_row_stride_ptr,
     slice_offsets_ptr, stride_tm, stride_ym, t_slice_stride, num_slices,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     slot = tl.program_id(1)
@@ -79,15 +79,24 @@ def _expand_kernel(
     mask_n = offs_n < width
     b_ptr = tl.load(b_ptrs_ptr + slot * num_slices + sl).to(tl.pointer_type(y_ptr.dtype.element_ty))
     b_row_stride = tl.load(b_row_stride_ptr + slot)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for r_begin in range(0, rank, BLOCK_R):  # this slot's own rank tiles only
-        offs_r = r_begin + tl.arange(0, BLOCK_R)
+    if ONE_TILE:  # every rank of the launch fits one tile: no loop
+        offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         tt = tl.load(t_ptr + rows[:, None] * stride_tm + sl * t_slice_stride + offs_r[None, :],
                      mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[None, :] * b_row_stride + offs_r[:, None],
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        acc += tl.dot(tt.to(y_ptr.dtype.element_ty), bt)
+        acc = tl.dot(tt.to(y_ptr.dtype.element_ty), bt)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for r_begin in range(0, rank, BLOCK_R):  # this slot's own rank tiles only
+            offs_r = r_begin + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            tt = tl.load(t_ptr + rows[:, None] * stride_tm + sl * t_slice_stride + offs_r[None, :],
+                         mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+            bt = tl.load(b_ptr + offs_n[None, :] * b_row_stride + offs_r[:, None],
+                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            acc += tl.dot(tt.to(y_ptr.dtype.element_ty), bt)
     acc = acc * tl.load(scalings_ptr + slot)
     out = y_ptr + rows[:, None] * stride_ym + n_begin + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]

@@ -32,7 +32,8 @@ def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: i
         split_k *= 2
     if max_tokens <= 64 and in_features >= 2048:  # decode on many slots: each program still streams a long A
         split_k = max(split_k, min(8, in_features // 1024))
-    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k}
+    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k,
+            "ONE_TILE": tiles.one_tile(max_rank)}
 
 
 def lora_shrink(
@@ -73,11 +74,16 @@ def _shrink_kernel(
     x_ptr, t_ptr, sorted_ids_ptr, seg_indptr_ptr, ranks_ptr, a_ptrs_ptr, a_row_stride_ptr,
     K, stride_xm, stride_tm, t_slice_stride, num_r,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    ONE_TILE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    sl = tl.program_id(2) // num_r
-    r_begin = (tl.program_id(2) % num_r) * BLOCK_R  # this program's rank tile
+    if ONE_TILE:  # every rank of the launch fits one tile (num_r == 1): offset known to be zero
+        sl = tl.program_id(2)
+        r_begin = 0
+    else:
+        sl = tl.program_id(2) // num_r
+        r_begin = (tl.program_id(2) % num_r) * BLOCK_R  # this program's rank tile
     pid_m = pid // SPLIT_K
     pid_k = pid % SPLIT_K
     rank = tl.load(ranks_ptr + slot).to(tl.int32)

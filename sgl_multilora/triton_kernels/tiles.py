@@ -26,3 +26,17 @@ def rank_tile(max_rank: int) -> int:
     """BLOCK_R: the largest rank rounded up to a power of two (at least MIN_BLOCK), at most RANK_CHUNK (read at call
     time: a benchmark may set it)."""
     return min(max(MIN_BLOCK, 1 << (max(max_rank, 1) - 1).bit_length()), max(MIN_BLOCK, RANK_CHUNK))
+
+
+ONE_TILE_PATH = True
+"""Launches whose largest rank fits one rank tile (every launch of ranks <= RANK_CHUNK) compile the kernels without
+the rank split and loop: the compiler then sees a rank offset of zero and a single tile. Measured against the general
+path on an H200, interleaved (eval/results/rank_tile_ab.md): 0.91x median over 211 shapes of ranks 8-32 (prefill
+0.58-0.87x), rank 64 (the same launch in both arms) 1.00x. Off, every launch runs the general path (read at call
+time: the benchmark `eval/bench/rank_tile_ab.py` sets it)."""
+
+
+def one_tile(max_rank: int) -> bool:
+    """Whether a launch of this largest rank takes the one-tile path."""
+    return ONE_TILE_PATH and max(max_rank, 1) <= rank_tile(max_rank)
+

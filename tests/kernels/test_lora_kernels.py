@@ -130,6 +130,25 @@ def test_ranks_above_the_rank_tile_are_split_into_tiles(monkeypatch, split_k):
     assert_close(y_ref, expected)
 
 
+@pytest.mark.parametrize("one_tile_path", [True, False])
+def test_launches_within_one_rank_tile_take_either_path(monkeypatch, one_tile_path):
+    """Ranks within one tile (8, 16, an empty slot): the one-tile path (no rank loop, offset zero) and the general
+    path both give the reference's output; the config says which one a launch takes."""
+    from sgl_multilora.triton_kernels import tiles
+
+    monkeypatch.setattr(tiles, "ONE_TILE_PATH", one_tile_path)
+    p = make_problem(num_tokens=24, in_features=64, slice_widths=[32, 16, 16], ranks=[16, 8, None, 12],
+                     popularity="zipf:1.0", dtype=torch.float32, seed=5)
+    weights = LoRAWeights.from_list(p.lora_a, p.lora_b, p.scalings, p.slice_offsets)
+    meta = SegmentMeta.build(p.token_slot, 4)
+    assert shrink_config(24, 64, weights.max_rank, 4, 3)["ONE_TILE"] is one_tile_path
+    assert tiles.one_tile(tiles.RANK_CHUNK + 1) is False  # a rank over the tile always loops
+    y_triton, y_ref = run_both(p, meta)
+    expected = expected_output(p)
+    assert_close(y_triton, expected)
+    assert_close(y_ref, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_sglang_stacked_buffers_read_only_each_slots_rank(dtype):
     """SGLang's pool sizes every slot for the max rank; NaN in the unused rows / columns proves they are not read."""
@@ -201,9 +220,10 @@ def test_bad_inputs_are_named():
         lora_forward(p.x, p.y0, meta, weights, impl="cuda")
 
 
-def test_kernels_compile_for_a_hopper_gpu_without_one(monkeypatch):
+@pytest.mark.parametrize("one_tile", [False, True])
+def test_kernels_compile_for_a_hopper_gpu_without_one(monkeypatch, one_tile):
     """Triton's compiler front and back end (to PTX and a cubin for sm_90) run without a GPU: this catches kernel
-    code the interpreter accepts but the compiler rejects."""
+    code the interpreter accepts but the compiler rejects (both rank paths: the rank loop and the one tile)."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -218,13 +238,14 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(monkeypatch):
         "x_ptr": "*bf16", "t_ptr": "*fp32", **ptrs, "a_ptrs_ptr": "*i64", "a_row_stride_ptr": "*i64",
         "K": "i32", "stride_xm": "i32", "stride_tm": "i32", "t_slice_stride": "i32", "num_r": "i32",
         "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
-    }, constexprs={"BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_K": 64, "SPLIT_K": 4})
+        "ONE_TILE": "constexpr",
+    }, constexprs={"BLOCK_M": 16, "BLOCK_R": 32, "BLOCK_K": 64, "SPLIT_K": 4, "ONE_TILE": one_tile})
     expand = ASTSource(jit_kernel(_expand_kernel), {
         "t_ptr": "*fp32", "y_ptr": "*bf16", **ptrs, "scalings_ptr": "*fp32", "b_ptrs_ptr": "*i64",
         "b_row_stride_ptr": "*i64", "slice_offsets_ptr": "*i32", "stride_tm": "i32", "stride_ym": "i32",
         "t_slice_stride": "i32", "num_slices": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr",
-    }, constexprs={"BLOCK_M": 64, "BLOCK_R": 16, "BLOCK_N": 128})
+        "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr", "ONE_TILE": "constexpr",
+    }, constexprs={"BLOCK_M": 64, "BLOCK_R": 16, "BLOCK_N": 128, "ONE_TILE": one_tile})
     for src in (shrink, expand):
         compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32))
         assert ".entry" in compiled.asm["ptx"] and compiled.asm["cubin"]
