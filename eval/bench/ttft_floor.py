@@ -32,9 +32,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import CACHE, flush, make_adapters, stock_buffer_tokens
+from eval.bench.unified_memory import CACHE, flush, make_adapters, stock_buffer_tokens, workload_from_args
 from eval.live.driver import ServedAdapter, Target, replay
-from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,15 +116,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/ttft_floor.jsonl")
     args = parser.parse_args()
 
-    from sgl_multilora.embedded import ensure_embedded_model
-
-    model = str(ensure_embedded_model())
-    ranks = tuple(int(r) for r in args.ranks.split(","))
-    params = {"num_adapters": args.num_adapters, "ranks": ranks}
-    for item in args.param:
-        key, value = item.split("=", 1)
-        params[key] = json.loads(value)
-    workload = create_workload(args.workload, seed=args.seed, **params)
+    model, workload, ranks, params = workload_from_args(args)
     if any(r.parent_rid is not None for r in workload.requests):
         raise SystemExit(f"{args.workload}: requests with a history (a parent) have no TTFT alone without their "
                          "parent's KV; this benchmark takes workloads of single turns (translation)")

@@ -105,6 +105,20 @@ def summarize(results) -> dict:
             "cached_token_share": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))}
 
 
+def workload_from_args(args: argparse.Namespace) -> tuple[str, object, tuple[int, ...], dict]:
+    """The embedded model's path and the workload that --workload, --num-adapters, --ranks, --param and --seed
+    name, with its ranks and parameters."""
+    from sgl_multilora.embedded import ensure_embedded_model
+
+    model = str(ensure_embedded_model())
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    params = {"num_adapters": args.num_adapters, "ranks": ranks}
+    for item in args.param:
+        key, value = item.split("=", 1)
+        params[key] = json.loads(value)
+    return model, create_workload(args.workload, seed=args.seed, **params), ranks, params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="chatbot", choices=["chatbot", "translation"])
@@ -133,15 +147,7 @@ def main() -> None:
         print(plot_ttft(args.out.with_name(args.out.stem + "_requests.jsonl"), args.out.with_suffix(".png")))
         return
 
-    from sgl_multilora.embedded import ensure_embedded_model
-
-    model = str(ensure_embedded_model())
-    ranks = tuple(int(r) for r in args.ranks.split(","))
-    params = {"num_adapters": args.num_adapters, "ranks": ranks}
-    for item in args.param:
-        key, value = item.split("=", 1)
-        params[key] = json.loads(value)
-    workload = create_workload(args.workload, seed=args.seed, **params)
+    model, workload, ranks, params = workload_from_args(args)
     adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
     max_rank = max(ranks)
     buffer_tokens = stock_buffer_tokens(workload, args.max_loras_per_batch, max_rank)
