@@ -42,7 +42,7 @@ def get_new_batch_prefill(original, self, running_batch):
         if sched.squash(self, running_batch) and mem is not None:  # the squash rules' retractions
             mem.set_running(_running(self, running_batch))
             mem.set_wanted(self.waiting_queue)
-        sched.before_pass(self, _running(self, running_batch))
+        sched.before_pass(self, _running(self, running_batch), bool(running_batch.batch_is_full))
     plan = None
     try:
         plan = original(self, running_batch)

@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 TIMING_EMA = 0.2
 """Weight of the newest step in the measured prefill and decode rates."""
+HOLD_LOG_AFTER_S = 1.0
+"""A pass that admits nothing while a request has been queued this long is logged (why each queue stopped), at
+most once per this many seconds."""
 TIMING_RESYNC = 0.05
 """The scheduler's timing model follows a measured rate once it has moved this share away from it (not every
 step: a step's result should cost next to nothing)."""
@@ -90,6 +93,8 @@ class LiveScheduler:
         self._planned_order: list[str] = []
         self.num_requeued = 0
         self.num_squashed = 0
+        self._pushed_back = 0  # planned requests SGLang did not take in the last pass
+        self._last_hold_log = -math.inf
         self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
         self._rates = MeasuredRates(TIMING_EMA)
 
@@ -158,8 +163,9 @@ class LiveScheduler:
         """SGLang's cap on distinct adapters per batch (None with LoRA off)."""
         return int(scheduler.max_loras_per_batch) if getattr(scheduler, "enable_lora", False) else None
 
-    def before_pass(self, scheduler, running: list) -> None:
-        """Plans this pass; `running`: the running batch's unfinished requests and the chunked one."""
+    def before_pass(self, scheduler, running: list, batch_full: bool = False) -> None:
+        """Plans this pass; `running`: the running batch's unfinished requests and the chunked one; `batch_full`:
+        SGLang's running batch is marked full (for the log)."""
         waiting = {r.rid for r in scheduler.waiting_queue}
         for r in [r for q in range(self.mq.queues.num_queues) for r in self.mq.queues.scan(q)]:
             if r.rid not in waiting:
@@ -170,9 +176,32 @@ class LiveScheduler:
         prefetch = None if memory is None else self._prefetch
         cap = self.slot_cap(scheduler)
         adapters = None if cap is None else {self._identity(r) for r in running}
-        batch = self.mq.build_batch(self.now(), budget, is_resident, prefetch, adapters, cap)
+        now = self.now()
+        batch = self.mq.build_batch(now, budget, is_resident, prefetch, adapters, cap)
         self._planned_order = [r.rid for r in batch]
         self.planned = set(self._planned_order)
+        self._log_hold(now, len(batch), budget, len(running), adapters, cap, batch_full)
+
+    def _log_hold(self, now: float, num_planned: int, budget: int, num_running: int, adapters: set | None,
+                  cap: int | None, batch_full: bool) -> None:
+        """One line, at most every `HOLD_LOG_AFTER_S`, on a pass that leaves a request queued that long: what the
+        plan took, what each queue stopped at, what was passed over, and what SGLang refused of the previous plan
+        (`batch_full`: SGLang's running batch is marked full, so it takes no one until a request leaves)."""
+        queues = self.mq.queues
+        heads = [queues.head(q) for q in range(queues.num_queues)]
+        oldest = min((r.arrival for r in heads if r is not None), default=None)
+        if oldest is None or now - oldest < HOLD_LOG_AFTER_S or now - self._last_hold_log < HOLD_LOG_AFTER_S:
+            return
+        self._last_hold_log = now
+        stops = "; ".join(f"queue {q} {st.reason} at {st.rid} (cost {st.cost}, {st.limit} left)"
+                          for q, st in sorted(self.mq.last_stops.items())) or "no queue stopped"
+        passes = self.mq.last_passes
+        slots = "" if cap is None else f", adapter slots {len(adapters)}/{cap}"
+        logger.info("sgl_multilora: multiqueue holds %d queued (oldest %.1f s): planned %d, %d running, budget %d "
+                    "tokens%s%s; %s; passed over: %d for a slot, %d while their adapter loads; SGLang refused %d "
+                    "of the previous plan", len(queues), now - oldest, num_planned, num_running, budget, slots,
+                    ", SGLang's batch full" if batch_full else "", stops, passes["slot"], passes["not_resident"],
+                    self._pushed_back)
 
     @staticmethod
     def _prefetch(identity: str) -> bool:
@@ -289,10 +318,12 @@ class LiveScheduler:
         return self.planned is None or req.rid in self.planned
 
     def after_pass(self, admitted_rids: set[str]) -> None:
+        self._pushed_back = 0
         for rid in self._planned_order:
             if rid not in admitted_rids and rid in self.mq.running:
                 self.mq.requeue(rid, pushed_back=True)
                 self.num_requeued += 1
+                self._pushed_back += 1
         self.planned, self._planned_order = None, []
 
     # ---- observation ------------------------------------------------------------------------------------------
@@ -307,4 +338,5 @@ class LiveScheduler:
             "requeued_by_engine": self.num_requeued, "squashed": self.num_squashed,
             "slot_squashed": s.counts["slot_squashed"], "slot_reserved_for": self.mq.slot_reserved_for,
             "timing": dataclasses.asdict(self.timing()),
+            "last_stops": {str(q): dataclasses.asdict(st) for q, st in sorted(self.mq.last_stops.items())},
         }

@@ -13,6 +13,11 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
   run, so the stock arm computes with our CPU LoRA layers from the host copies: its adapter swaps into slot buffers
   cost nothing here (in SGLang they are host-to-device copies), which favours the stock arm.
+- `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
+  cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
+  pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
+  Each side is then compared at its own best setting: the headline takes, at each rate, the stock arm with the lower
+  median mean TTFT, whatever its cap or drainer.
 Both servers start once and stay up (idle ones sleep); every repeat replays the workload at every rate on each arm,
 arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
 TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock.
@@ -86,6 +91,41 @@ def stock_buffer_tokens(workload, max_loras_per_batch: int, max_rank: int) -> in
     return -(-max_loras_per_batch * per_adapter // SLOT_BYTES)
 
 
+ARM_BASES = ("stock", "ours", "ours-mq")
+
+
+def parse_arm(name: str) -> tuple[str, int | None, bool]:
+    """`<base>[-cap<N>][-drain]` -> (base, cap or None for the common one, drainer on). Raises ValueError for any
+    other name."""
+    rest, drain = (name[:-len("-drain")], True) if name.endswith("-drain") else (name, False)
+    base, _, cap = rest.partition("-cap")
+    if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap"):
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-drain], base one of {', '.join(ARM_BASES)}")
+    return base, int(cap) if cap else None, drain
+
+
+def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tuple[int, list[str]]:
+    """An arm's token slots (`--max-total-tokens`) and its own flags. Stock arms give their slot buffers' share of
+    `--pool-tokens` up, at their own cap; ours keep every slot. Raises ValueError for an unknown name or a cap whose
+    buffers leave a stock arm no KV."""
+    base, cap, drain = parse_arm(name)
+    cap = args.max_loras_per_batch if cap is None else cap
+    extra = ["--max-loras-per-batch", str(cap)]
+    tokens = args.pool_tokens
+    if base == "stock":
+        tokens -= stock_buffer_tokens(workload, cap, max_rank)
+        if tokens <= 0:
+            raise ValueError(f"{name}: SGLang's slot buffers for {cap} adapters of rank {max_rank} take "
+                             f"{args.pool_tokens - tokens} token slots, more than --pool-tokens {args.pool_tokens}")
+    else:
+        extra += ["--radix-cache-backend", "multilora", "--multilora-eviction-policy", args.policy]
+    if base == "ours-mq":
+        extra += ["--multilora-scheduler", "multiqueue", "--multilora-ttft-slo-s", f"{args.slo_s:g}"]
+    if drain:
+        extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
+    return tokens, extra
+
+
 def flush(url: str) -> None:
     requests.post(url + "/flush_cache", timeout=60)
 
@@ -151,24 +191,15 @@ def main() -> None:
     adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
     max_rank = max(ranks)
     buffer_tokens = stock_buffer_tokens(workload, args.max_loras_per_batch, max_rank)
-    if buffer_tokens >= args.pool_tokens:
-        raise SystemExit(f"SGLang's slot buffers take {buffer_tokens} token slots, more than --pool-tokens")
-    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
-              "--max-lora-rank", str(max_rank), *shlex.split(args.server_args)]
-    ours = [*common, "--radix-cache-backend", "multilora", "--multilora-eviction-policy", args.policy]
-    arms = {
-        "ours": (args.pool_tokens, ours),
-        "ours-mq": (args.pool_tokens, [*ours, "--multilora-scheduler", "multiqueue", "--multilora-ttft-slo-s",
-                                       f"{args.slo_s:g}"]),
-        "stock": (args.pool_tokens - buffer_tokens, common),
-    }
-    for name in list(arms):
-        tokens, extra = arms[name]
-        arms[f"{name}-drain"] = (tokens, [*extra, "--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"])
-    unknown = [a for a in args.arms.split(",") if a not in arms]
-    if unknown:
-        parser.error(f"unknown arm(s) {unknown}; choose from {sorted(arms)}")
-    arms = {name: arms[name] for name in args.arms.split(",")}
+    common = ["--multilora-adapter-dir", str(adapters_dir), "--max-lora-rank", str(max_rank),
+              *shlex.split(args.server_args)]
+    arms = {}
+    for name in args.arms.split(","):
+        try:
+            arms[name] = arm_spec(name, args, workload, max_rank)
+        except ValueError as exc:
+            parser.error(str(exc))
+    arms = {name: (tokens, [*common, *extra]) for name, (tokens, extra) in arms.items()}
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
@@ -184,7 +215,8 @@ def main() -> None:
                  "stock_kv_tokens": args.pool_tokens - buffer_tokens, "stock_buffer_tokens": buffer_tokens,
                  "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": max_rank,
                  "policy": args.policy, "server_args": args.server_args, "time_scales": scales,
-                 "arms": {name: extra[len(common):] for name, (_, extra) in arms.items()}, "slo_s": args.slo_s,
+                 "arms": {name: extra[len(common):] for name, (_, extra) in arms.items()},
+                 "arm_tokens": {name: tokens for name, (tokens, _) in arms.items()}, "slo_s": args.slo_s,
                  "repeats": args.repeats, "seed": args.seed,
                  "adapter_bytes_total": sum(NUM_LAYERS * a.rank * sum(ELEMS_PER_RANK[m] for m in a.target_modules)
                                             * 4 for a in workload.adapters)}
@@ -227,9 +259,18 @@ def main() -> None:
 COLORS = {"stock": "tab:gray", "ours": "tab:blue", "ours-mq": "tab:green"}
 
 
+LINESTYLES = {(False, False): "-", (False, True): "--", (True, False): ":", (True, True): "-."}
+"""(own cap, drainer) -> line style of an arm in the plot."""
+
+
 def ordered_arms(names) -> list[str]:
-    """The arms among `names` in report order: stock, ours, ours-mq, each followed by its -drain variant."""
-    return [a for base in COLORS for a in (base, f"{base}-drain") if a in names]
+    """The arms among `names` in report order: stock, ours, ours-mq, each at the common cap first, then by cap, the
+    drainer after each."""
+    def key(name):
+        base, cap, drain = parse_arm(name)
+        return ARM_BASES.index(base), cap or 0, drain
+
+    return sorted(names, key=key)
 
 
 def plot_ttft(raw: Path, png: Path) -> Path:
@@ -250,9 +291,9 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     for ax, rate in zip(axes[0], sorted(ttfts)):
         for arm in ordered_arms(ttfts[rate]):
             xs = sorted(ttfts[rate][arm])
-            base = arm.removesuffix("-drain")
+            base, cap, drain = parse_arm(arm)
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS[base],
-                    linestyle="--" if arm.endswith("-drain") else "-",
+                    linestyle=LINESTYLES[cap is not None, drain],
                     label=f"{arm} (n={len(xs)}, P99 {nearest_rank(xs, 99):.1f} s)")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
@@ -278,6 +319,8 @@ def report(record: dict) -> str:
              f"{s['policy']}; {'every arm ' + repr(s['server_args']) + '; ' if s.get('server_args') else ''}"
              f"{'arms ' + repr(s['arms']) + '; ' if s.get('arms') else ''}"
              f"{s['repeats']} repeats, arms alternating. Machine: {record['device']}.", "",
+             *([f"KV token slots per arm (`--max-total-tokens`): "
+                + ", ".join(f"{a} {t}" for a, t in s["arm_tokens"].items()) + ".", ""] if s.get("arm_tokens") else []),
              "| rate (req/s) | arm | mean TTFT s (min-max) | P50 TTFT s | P99 TTFT s (min-max) | cached share | "
              "failed |", "|---|---|---|---|---|---|---|"]
     arms = ordered_arms({r["arm"] for r in runs})
@@ -312,6 +355,7 @@ def report(record: dict) -> str:
                 lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
                              f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
                              f"({min(p99_r):.2f}-{max(p99_r):.2f})")
+    lines += headline_lines(record, arms, baselines)
     for ours in [a for a in arms if a not in baselines]:
         last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
         if last and "lora_batch_skips" in last[-1]:
@@ -322,6 +366,39 @@ def report(record: dict) -> str:
     if record.get("plot"):
         lines += ["", f"TTFT distribution per rate, every repeat pooled: `{record['plot']}`."]
     return "\n".join(lines) + "\n"
+
+
+def headline_lines(record: dict, arms: list[str], baselines: list[str]) -> list[str]:
+    """Each of our arms against the better stock arm at each rate: the stock arm (any cap, with or without the
+    drainer) with the lower median mean TTFT over repeats; the ratios are the medians of the per-repeat ratios to
+    it, with their spread."""
+    s, runs = record["setup"], record["runs"]
+    if not baselines:
+        return []
+    lines = ["", "Against the better stock arm at each rate (the one with the lower median mean TTFT; ELORA's goal: "
+             "mean at most 0.5x, P99 at most 0.25x):", ""]
+    for scale in s["time_scales"]:
+        def ok(arm):
+            return [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
+
+        scored = [(statistics.median(r["mean_ttft_s"] for r in ok(b)), b) for b in baselines if ok(b)]
+        if not scored:
+            continue
+        best = min(scored)[1]
+        rate = ok(best)[0]["rate_req_s"]
+        for ours in [a for a in arms if a not in baselines]:
+            pairs = []
+            for rep in range(s["repeats"]):
+                o = [r for r in ok(ours) if r["repeat"] == rep]
+                k = [r for r in ok(best) if r["repeat"] == rep]
+                if o and k:
+                    pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"], o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
+            if pairs:
+                mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
+                lines.append(f"- {rate:.2f} req/s, {ours} / {best}: mean TTFT {statistics.median(mean_r):.2f}x "
+                             f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f}x "
+                             f"({min(p99_r):.2f}-{max(p99_r):.2f}), {len(pairs)} repeats")
+    return lines
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class BatchContext:
                  prefetch: RequestPrefetch | None, slots: AdapterSlots | None = None) -> None:
         self.now, self.budget, self.slots = now, budget, slots
         self.slot_skips = 0
+        self.not_resident = 0  # requests passed over while their adapter loads
         self._is_resident, self._prefetch = is_resident, prefetch
         self._resident: dict[str, bool] = {}
         self._loadable: dict[str, bool] = {}
@@ -96,6 +97,19 @@ class BatchContext:
         return not self._loadable.get(adapter, True)
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Why a queue's scan admitted nothing past `rid`: "quota" (its cost over the quota left),
+    "budget" (over the batch budget left), "lookahead" (too many non-resident adapters passed) or
+    "bypass" (T_wait of the memory-blocked request ahead not above its T_exec). `cost` and `limit`:
+    the request's cost and the tokens left (0 for lookahead and bypass)."""
+
+    reason: str
+    rid: str
+    cost: int
+    limit: int
+
+
 @dataclass
 class ScanResult:
     admitted: list[SchedRequest] = field(default_factory=list)
@@ -104,6 +118,8 @@ class ScanResult:
     """(R2, R1): R2 was admitted past the memory-blocked R1."""
     budget_stop: SchedRequest | None = None
     """The request that fitted the quota but not the budget, if the scan stopped there."""
+    stop: Stop | None = None
+    """Why the scan stopped before the queue's end (None: it reached the end)."""
 
 
 @dataclass(frozen=True)
@@ -136,19 +152,24 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
         cost = r.cost_tokens
         oversize = lenders is None and view.idle and not out.admitted and cost > view.quota
         if cost > cap and not oversize:
+            out.stop = Stop("quota", r.rid, cost, cap)
             break
         if ctx.budget is not None and cost > ctx.budget:
             out.budget_stop = r
+            out.stop = Stop("budget", r.rid, cost, ctx.budget)
             break
         if not ctx.resident(r.adapter) and not ctx.fetch(r):
             if ctx.memory_blocked(r.adapter) and blocker is None:
                 blocker = r
                 t_wait = predict_wait_s(r, running, ctx.now, timing)
             passed += 1
+            ctx.not_resident += 1
             if passed > lookahead:
+                out.stop = Stop("lookahead", r.rid, cost, 0)
                 break
             continue
         if blocker is not None and t_wait <= timing.request_exec_s(r):
+            out.stop = Stop("bypass", r.rid, cost, 0)
             break
         ctx.take_slot(r)
         from_own = cost if lenders is None else min(cost, max(0, own))

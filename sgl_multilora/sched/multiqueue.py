@@ -50,6 +50,7 @@ from sgl_multilora.sched.admission import (
     IsResident,
     QueueView,
     RequestPrefetch,
+    Stop,
     scan_queue,
 )
 from sgl_multilora.sched.bypass import BypassBook, SquashInfo, squash_candidates
@@ -82,7 +83,13 @@ class MultiQueueScheduler:
         self._slot_reserved: str | None = None  # the rid a slot squash freed a slot for
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
                        "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
-                       "slot_skips": 0}
+                       "slot_skips": 0, "stops_quota": 0, "stops_budget": 0, "stops_lookahead": 0,
+                       "stops_bypass": 0, "stops_overdue_hold": 0}
+        self.last_stops: dict[int, Stop] = {}
+        """Queue -> why the last batch admitted nothing more from it (queues it drained are absent)."""
+        self.last_passes = {"slot": 0, "not_resident": 0}
+        """Requests the last batch passed over (keeping their place): for want of an adapter slot,
+        and while their adapter loads (a request counts once per scan that met it)."""
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -173,11 +180,13 @@ class MultiQueueScheduler:
         counting as one; `running_adapters`: those of the engine's running requests) there is no
         cap."""
         self.refresh(now)
+        self.last_stops = {}
         slots = None
         if max_adapters is not None:
             reserved = self._slot_reserved if self._slot_reserved in self.queues else None
             slots = AdapterSlots(set(running_adapters or ()), max_adapters, reserved)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
+        self._ctx = ctx
         batch: list[SchedRequest] = []
         held = self._admit_overdue(ctx, batch)
         self.counts["slot_skips"] += ctx.slot_skips
@@ -202,6 +211,9 @@ class MultiQueueScheduler:
         """A slot reservation lasts one batch: the squash freed the slot right before it, so a
         beneficiary not admitted then (its cost over the budget, its adapter evicted meanwhile)
         would only hold the slot from everyone else; it may be squashed for again."""
+        for stop in self.last_stops.values():
+            self.counts["stops_" + stop.reason] += 1
+        self.last_passes = {"slot": self._ctx.slot_skips, "not_resident": self._ctx.not_resident}
         self._slot_reserved = None
         self._num_batches += 1
 
@@ -232,10 +244,12 @@ class MultiQueueScheduler:
                 continue  # passed over, spending no lookahead: slots free as adapters drain
             if not ctx.resident(r.adapter) and not ctx.fetch(r):
                 passed += 1
+                ctx.not_resident += 1
                 if passed > self.config.lookahead:
                     return False
                 continue
             if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
+                self.last_stops[r.queue] = Stop("overdue_hold", r.rid, r.cost_tokens, ctx.budget)
                 return True  # nothing running and still too big: it goes in, the engine has all it will have
             ctx.take_slot(r)
             r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
@@ -254,6 +268,10 @@ class MultiQueueScheduler:
         result = scan_queue(self.queues.scan(q), view, ctx, lenders, self._running.values(),
                             self.config.timing, self.config.lookahead)
         self.counts["slot_skips"] += ctx.slot_skips - skips
+        if result.stop is not None:
+            self.last_stops[q] = result.stop
+        elif lenders is not None:
+            self.last_stops.pop(q, None)  # phase 2 got past its phase-1 stop
         if result.budget_stop is not None and lenders is None:
             self._note_budget_skip(q, result.budget_stop)
         for r in result.admitted:

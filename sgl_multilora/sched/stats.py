@@ -40,4 +40,6 @@ class SchedStats:
     """Since start: admitted, finished, bypasses, squashes (requests retracted for adapter
     memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
-    count in many batches), refreshes, pushed_back, overdue."""
+    count in many batches), refreshes, pushed_back, overdue, and stops_<reason> (batches in which
+    a queue's scan stopped at a request it could not admit: quota, budget, lookahead, bypass, or
+    overdue_hold; one per queue and batch)."""

@@ -211,3 +211,47 @@ def test_unified_memory_report_gives_ratios_against_every_baseline_per_repeat():
     assert "Ratios ours-mq / stock-drain per repeat" in text
     assert "mean TTFT 0.62 (0.50-0.75), P99 TTFT 0.35 (0.20-0.50)" in text
     assert "Ratios stock-drain / stock" not in text  # baselines are not compared with each other
+
+
+def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_better_stock_arm():
+    """`<arm>-cap<N>`: a stock arm's KV shrinks by the slot buffers of its own cap, ours keep every slot and only
+    change `--max-loras-per-batch`; the headline compares each of our arms with the stock arm of the lower median
+    mean TTFT at each rate, whichever cap or drainer it has (figures worked out by hand)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from eval.bench.unified_memory import arm_spec, ordered_arms, parse_arm, report, stock_buffer_tokens
+
+    assert parse_arm("stock-cap6-drain") == ("stock", 6, True) and parse_arm("ours-mq") == ("ours-mq", None, False)
+    for bad in ("stock-cap", "stock-cap0", "stock-capx", "ours-mq-drain-cap8", "theirs", "stock-cap6-drain-drain"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            parse_arm(bad)
+    assert ordered_arms({"ours-mq-cap8", "stock-cap6", "stock-drain", "ours-mq", "stock"}) == [
+        "stock", "stock-drain", "stock-cap6", "ours-mq", "ours-mq-cap8"]
+
+    workload = SimpleNamespace(adapters=[SimpleNamespace(target_modules=("q_proj", "v_proj"), rank=64)])
+    args = argparse.Namespace(max_loras_per_batch=4, pool_tokens=6000, policy="elora", slo_s=2.0, drain_wait_s=2.0)
+    per_adapter = 30 * 64 * ((576 + 576) + (576 + 192)) * 4  # layers x rank x (q + v elements per rank) x fp32
+    assert stock_buffer_tokens(workload, 6, 64) == -(-6 * per_adapter // 46080)
+    tokens, flags = arm_spec("stock-cap6", args, workload, 64)
+    assert tokens == 6000 - stock_buffer_tokens(workload, 6, 64) and flags == ["--max-loras-per-batch", "6"]
+    tokens, flags = arm_spec("ours-mq-cap8", args, workload, 64)
+    assert tokens == 6000 and flags[:2] == ["--max-loras-per-batch", "8"] and "multiqueue" in flags
+    assert arm_spec("stock-drain", args, workload, 64)[1][:2] == ["--max-loras-per-batch", "4"]
+    with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
+        arm_spec("stock-cap40", args, workload, 64)
+
+    means = {"stock": (2.0, 4.0), "stock-cap6": (1.0, 2.0), "ours-mq-cap8": (0.5, 1.5)}  # per repeat
+    p99s = {"stock": (8.0, 10.0), "stock-cap6": (4.0, 5.0), "ours-mq-cap8": (2.0, 1.0)}
+    runs = [{"arm": arm, "repeat": rep, "time_scale": 1.0, "rate_req_s": 2.0, "num_ok": 10, "num_failed": 0,
+             "mean_ttft_s": means[arm][rep], "p50_ttft_s": 1.0, "p99_ttft_s": p99s[arm][rep],
+             "cached_token_share": 0.0} for arm in means for rep in (0, 1)]
+    setup = {"workload": "translation", "params": {}, "num_requests": 10, "pool_tokens": 6000,
+             "stock_buffer_tokens": 2560, "max_loras_per_batch": 4, "max_lora_rank": 64, "stock_kv_tokens": 3440,
+             "adapter_bytes_total": 46080, "policy": "elora", "repeats": 2, "time_scales": [1.0],
+             "arm_tokens": {"stock": 3440, "stock-cap6": 2160, "ours-mq-cap8": 6000}}
+    text = report({"setup": setup, "runs": runs, "device": {}, "date": "2026-11-27T00:00:00"})
+    assert "KV token slots per arm (`--max-total-tokens`): stock 3440, stock-cap6 2160, ours-mq-cap8 6000." in text
+    # stock-cap6's median mean (1.5 s) is below stock's (3.0 s): ratios 0.5 and 0.75, P99 0.5 and 0.2
+    assert "- 2.00 req/s, ours-mq-cap8 / stock-cap6: mean TTFT 0.62x (0.50-0.75), P99 TTFT 0.35x (0.20-0.50), " \
+           "2 repeats" in text

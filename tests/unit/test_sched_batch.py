@@ -13,6 +13,7 @@ import math
 
 import pytest
 
+from sgl_multilora.sched.admission import Stop
 from sgl_multilora.sched import (
     MultiQueueScheduler,
     OutputLengthPredictor,
@@ -59,6 +60,10 @@ def test_fig10a_every_queue_within_its_quota_no_spare():
     assert [s.queues.len_of(q) for q in range(3)] == [2, 1, 1]
     assert s.ledger.held == [300, 800, 1000]
     assert s.build_batch(now=1.0) == []  # nothing until something finishes
+    # each queue stopped at its head, for its quota: what the live server's hold log prints
+    assert {q: (st.reason, st.rid, st.cost, st.limit) for q, st in s.last_stops.items()} == {
+        0: ("quota", "s4", 100, 0), 1: ("quota", "m3", 400, 0), 2: ("quota", "l2", 1000, 0)}
+    assert s.counts["stops_quota"] == 3 + 3  # both batches
     s.check_invariants()
 
     # the quota is held while requests run, and comes back on finish
@@ -142,6 +147,8 @@ def test_lookahead_bounds_how_many_loading_requests_are_passed():
     add_all(s, req("s1", 100, "x"), req("s2", 100, "y"), req("s3", 100, "a"))
     batch = s.build_batch(0.0, is_resident={"a"}.__contains__, request_prefetch=lambda a: True)
     assert batch == []  # s1 passed, s2 is one too many: the scan stops before s3
+    assert s.last_stops[0].reason == "lookahead" and s.last_stops[0].rid == "s2"
+    assert s.last_passes == {"slot": 0, "not_resident": 4}  # s1 and s2, in phase 1 and phase 2
 
 
 def test_oversized_request_runs_alone_when_its_queue_is_idle():
@@ -165,6 +172,12 @@ def test_budget_caps_the_batch_and_a_skipped_head_gets_promoted():
         # phase 1: three small (300 of the budget); l1 fits its quota but not the 700 left;
         # phase 2: seven more small on the medium queue's spare, up to the budget
         assert rids(batch) == [f"s{i}" for i in range(first, first + 10)]
+        # the small queue stopped at the budget in phase 2 (its phase-1 quota stop superseded) in
+        # the first batch and drained in the second; the large queue stopped at the budget again
+        # in phase 2 (none left by then); the medium queue was empty
+        small = {0: ("budget", "s11", 0)} if first == 1 else {}
+        assert {q: (st.reason, st.rid, st.limit) for q, st in s.last_stops.items()} == {
+            **small, 2: ("budget", "l1", 0)}
         for r in batch:
             s.on_finish(r.rid, first + 0.5)
     assert s.stats().promoted == (2,)  # l1 was stopped by the budget twice
@@ -269,6 +282,7 @@ def test_an_overdue_request_that_does_not_fit_holds_back_younger_ones():
     # l2 is overdue and the budget is below its cost: the small queue's free 100 stays unused, so the
     # room freed by finishing requests gathers for l2
     assert rids(s.build_batch(5.0, budget_tokens=900)) == []
+    assert s.last_stops == {2: Stop("overdue_hold", "l2", 1000, 900)} and s.counts["stops_overdue_hold"] == 1
     assert rids(s.build_batch(5.5, budget_tokens=1100)) == ["l2", "s4"]
     s.check_invariants()
 
