@@ -259,8 +259,9 @@ def main() -> None:
 COLORS = {"stock": "tab:gray", "ours": "tab:blue", "ours-mq": "tab:green"}
 
 
-LINESTYLES = {(False, False): "-", (False, True): "--", (True, False): ":", (True, True): "-."}
-"""(own cap, drainer) -> line style of an arm in the plot."""
+CAP_STYLES = ("-", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
+"""Line style of an arm in the plot by its cap's place among its base's caps (the common cap first); the drainer
+draws the line thinner, with circles."""
 
 
 def ordered_arms(names) -> list[str]:
@@ -288,14 +289,25 @@ def plot_ttft(raw: Path, png: Path) -> Path:
             rate = round(r["extra"]["request_rate"], 2)
             ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
     fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    caps: dict[str, list[int]] = {}  # base -> its arms' caps in order, 0 for the common one
+    for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):
+        base, cap, _ = parse_arm(arm)
+        if (cap or 0) not in caps.setdefault(base, []):
+            caps[base].append(cap or 0)
     for ax, rate in zip(axes[0], sorted(ttfts)):
         for arm in ordered_arms(ttfts[rate]):
             xs = sorted(ttfts[rate][arm])
             base, cap, drain = parse_arm(arm)
+            style = CAP_STYLES[caps[base].index(cap or 0) % len(CAP_STYLES)]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS[base],
-                    linestyle=LINESTYLES[cap is not None, drain],
+                    linestyle=style, linewidth=1.0 if drain else 1.6, marker="o" if drain else None,
+                    markevery=max(1, len(xs) // 8), markersize=3,
                     label=f"{arm} (n={len(xs)}, P99 {nearest_rank(xs, 99):.1f} s)")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("TTFT (s)")
         ax.set_title(f"{rate:.2f} req/s")
         ax.grid(True, which="both", alpha=0.3)
