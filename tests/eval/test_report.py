@@ -186,6 +186,17 @@ def test_memory_plot_takes_one_repeat_per_rate(tmp_path):
     assert "| kv 4 (3-4) |" in md.read_text()
 
 
+def unified_memory_record(means: dict, p99s: dict, **setup) -> dict:
+    """A `unified_memory.py` record of two repeats at one rate (2 req/s): arm -> per-repeat mean and P99 TTFT."""
+    runs = [{"arm": arm, "repeat": rep, "time_scale": 1.0, "rate_req_s": 2.0, "num_ok": 10, "num_failed": 0,
+             "mean_ttft_s": means[arm][rep], "p50_ttft_s": 1.0, "p99_ttft_s": p99s[arm][rep],
+             "cached_token_share": 0.0} for arm in means for rep in (0, 1)]
+    setup = {"workload": "translation", "params": {}, "num_requests": 10, "pool_tokens": 6000,
+             "stock_buffer_tokens": 2560, "max_loras_per_batch": 4, "max_lora_rank": 64, "stock_kv_tokens": 3440,
+             "adapter_bytes_total": 46080, "policy": "elora", "repeats": 2, "time_scales": [1.0], **setup}
+    return {"setup": setup, "runs": runs, "device": {}, "date": "2026-11-27T00:00:00"}
+
+
 def test_unified_memory_report_gives_ratios_against_every_baseline_per_repeat():
     """`eval/bench/unified_memory.py`'s report: arms in order (each -drain variant after its arm), and per-repeat
     ratios of every non-stock arm against each stock arm, figures worked out by hand."""
@@ -195,14 +206,8 @@ def test_unified_memory_report_gives_ratios_against_every_baseline_per_repeat():
         "stock", "stock-drain", "ours", "ours-drain", "ours-mq"]
     means = {"stock": (2.0, 4.0), "stock-drain": (1.0, 2.0), "ours-mq": (0.5, 1.5)}  # per repeat
     p99s = {"stock": (8.0, 10.0), "stock-drain": (4.0, 5.0), "ours-mq": (2.0, 1.0)}
-    runs = [{"arm": arm, "repeat": rep, "time_scale": 1.0, "rate_req_s": 2.0, "num_ok": 10, "num_failed": 0,
-             "mean_ttft_s": means[arm][rep], "p50_ttft_s": 1.0, "p99_ttft_s": p99s[arm][rep],
-             "cached_token_share": 0.0} for arm in means for rep in (0, 1)]
-    setup = {"workload": "translation", "params": {}, "num_requests": 10, "pool_tokens": 6000,
-             "stock_buffer_tokens": 2560, "max_loras_per_batch": 4, "max_lora_rank": 64, "stock_kv_tokens": 3440,
-             "adapter_bytes_total": 46080, "policy": "elora", "repeats": 2, "time_scales": [1.0],
-             "arms": {"stock": [], "stock-drain": ["--lora-drain-wait-threshold", "2"]}}
-    text = report({"setup": setup, "runs": runs, "device": {}, "date": "2026-11-27T00:00:00"})
+    text = report(unified_memory_record(means, p99s, arms={"stock": [], "stock-drain": ["--lora-drain-wait-threshold",
+                                                                                        "2"]}))
     rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| 2.00 |")]
     assert rows == ["stock", "stock-drain", "ours-mq"]
     # ours-mq / stock: means 0.25 and 0.375 (median 0.3125), P99 0.25 and 0.1 (median 0.175)
@@ -243,14 +248,8 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
 
     means = {"stock": (2.0, 4.0), "stock-cap6": (1.0, 2.0), "ours-mq-cap8": (0.5, 1.5)}  # per repeat
     p99s = {"stock": (8.0, 10.0), "stock-cap6": (4.0, 5.0), "ours-mq-cap8": (2.0, 1.0)}
-    runs = [{"arm": arm, "repeat": rep, "time_scale": 1.0, "rate_req_s": 2.0, "num_ok": 10, "num_failed": 0,
-             "mean_ttft_s": means[arm][rep], "p50_ttft_s": 1.0, "p99_ttft_s": p99s[arm][rep],
-             "cached_token_share": 0.0} for arm in means for rep in (0, 1)]
-    setup = {"workload": "translation", "params": {}, "num_requests": 10, "pool_tokens": 6000,
-             "stock_buffer_tokens": 2560, "max_loras_per_batch": 4, "max_lora_rank": 64, "stock_kv_tokens": 3440,
-             "adapter_bytes_total": 46080, "policy": "elora", "repeats": 2, "time_scales": [1.0],
-             "arm_tokens": {"stock": 3440, "stock-cap6": 2160, "ours-mq-cap8": 6000}}
-    text = report({"setup": setup, "runs": runs, "device": {}, "date": "2026-11-27T00:00:00"})
+    text = report(unified_memory_record(means, p99s, arm_tokens={"stock": 3440, "stock-cap6": 2160,
+                                                                 "ours-mq-cap8": 6000}))
     assert "KV token slots per arm (`--max-total-tokens`): stock 3440, stock-cap6 2160, ours-mq-cap8 6000." in text
     # stock-cap6's median mean (1.5 s) is below stock's (3.0 s): ratios 0.5 and 0.75, P99 0.5 and 0.2
     assert "- 2.00 req/s, ours-mq-cap8 / stock-cap6: mean TTFT 0.62x (0.50-0.75), P99 TTFT 0.35x (0.20-0.50), " \
