@@ -68,8 +68,8 @@ logger = logging.getLogger(__name__)
 TIMING_EMA = 0.2
 """Weight of the newest step in the measured prefill and decode rates."""
 HOLD_LOG_AFTER_S = 1.0
-"""A pass that admits nothing while a request has been queued this long is logged (why each queue stopped), at
-most once per this many seconds."""
+"""A pass that leaves a request queued this long is logged (why each queue stopped), at most once per this many
+seconds."""
 TIMING_RESYNC = 0.05
 """The scheduler's timing model follows a measured rate once it has moved this share away from it (not every
 step: a step's result should cost next to nothing)."""

@@ -186,12 +186,11 @@ class MultiQueueScheduler:
             reserved = self._slot_reserved if self._slot_reserved in self.queues else None
             slots = AdapterSlots(set(running_adapters or ()), max_adapters, reserved)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
-        self._ctx = ctx
         batch: list[SchedRequest] = []
         held = self._admit_overdue(ctx, batch)
         self.counts["slot_skips"] += ctx.slot_skips
         if held:
-            self._end_batch()
+            self._end_batch(ctx)
             return batch
         k = self.queues.num_queues
         promoted = sorted(self._promoted, key=self._promoted.__getitem__)
@@ -204,16 +203,16 @@ class MultiQueueScheduler:
                 break
             if self.queues.len_of(q):
                 self._scan(q, ctx, batch, lenders)
-        self._end_batch()
+        self._end_batch(ctx)
         return batch
 
-    def _end_batch(self) -> None:
+    def _end_batch(self, ctx: BatchContext) -> None:
         """A slot reservation lasts one batch: the squash freed the slot right before it, so a
         beneficiary not admitted then (its cost over the budget, its adapter evicted meanwhile)
         would only hold the slot from everyone else; it may be squashed for again."""
         for stop in self.last_stops.values():
             self.counts["stops_" + stop.reason] += 1
-        self.last_passes = {"slot": self._ctx.slot_skips, "not_resident": self._ctx.not_resident}
+        self.last_passes = {"slot": ctx.slot_skips, "not_resident": ctx.not_resident}
         self._slot_reserved = None
         self._num_batches += 1
 
