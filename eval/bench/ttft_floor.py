@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import CACHE, flush, make_adapters, stock_buffer_tokens, workload_from_args
+from eval.bench.unified_memory import CACHE, arm_spec, flush, make_adapters, workload_from_args
 from eval.live.driver import ServedAdapter, Target, replay
 from sgl_multilora.server import cpu_server_args, launch
 
@@ -107,8 +107,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="16,32,64")
     parser.add_argument("--pool-tokens", type=int, default=6000)
     parser.add_argument("--max-loras-per-batch", type=int, default=4)
-    parser.add_argument("--arm", default="stock", choices=["stock", "ours"],
-                        help="whose flags and KV budget (as in unified_memory.py); alone, the scheduler does not act")
+    parser.add_argument("--arm", default="stock",
+                        help="whose flags and KV budget, an arm name of unified_memory.py (stock, stock-cap6, ours, "
+                        "...); alone, the scheduler does not act")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
     parser.add_argument("--compare", type=Path, action="append", default=[],
@@ -122,13 +123,12 @@ def main() -> None:
                          "parent's KV; this benchmark takes workloads of single turns (translation)")
     adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
     max_rank = max(ranks)
-    flags = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
-             "--max-lora-rank", str(max_rank)]
-    tokens = args.pool_tokens
-    if args.arm == "stock":
-        tokens -= stock_buffer_tokens(workload, args.max_loras_per_batch, max_rank)
-    else:
-        flags += ["--radix-cache-backend", "multilora"]
+    try:  # the arm's flags and KV budget exactly as unified_memory.py gives them
+        tokens, own = arm_spec(args.arm, argparse.Namespace(**vars(args), policy="elora", slo_s=2.0, drain_wait_s=2.0),
+                               workload, max_rank)
+    except ValueError as exc:
+        parser.error(str(exc))
+    flags = ["--multilora-adapter-dir", str(adapters_dir), "--max-lora-rank", str(max_rank), *own]
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     server = launch(model, [*cpu_server_args(max_total_tokens=tokens), *flags],

@@ -355,15 +355,8 @@ def report(record: dict) -> str:
     for ours, stock in [(a, b) for b in baselines for a in arms if a not in baselines]:
         lines += ["", f"Ratios {ours} / {stock} per repeat (median, min-max):", ""]
         for scale in s["time_scales"]:
-            pairs = []
-            for rep in range(s["repeats"]):
-                o = [r for r in runs if r["arm"] == ours and r["repeat"] == rep and r["time_scale"] == scale]
-                k = [r for r in runs if r["arm"] == stock and r["repeat"] == rep and r["time_scale"] == scale]
-                if o and k and o[0].get("num_ok") and k[0].get("num_ok"):
-                    pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"],
-                                  o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
-            if pairs:
-                mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
+            mean_r, p99_r = repeat_ratios(record, ours, stock, scale)
+            if mean_r:
                 lines.append(f"- time scale {scale:g}: mean TTFT {statistics.median(mean_r):.2f} "
                              f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f} "
                              f"({min(p99_r):.2f}-{max(p99_r):.2f})")
@@ -378,6 +371,18 @@ def report(record: dict) -> str:
     if record.get("plot"):
         lines += ["", f"TTFT distribution per rate, every repeat pooled: `{record['plot']}`."]
     return "\n".join(lines) + "\n"
+
+
+def repeat_ratios(record: dict, ours: str, stock: str, scale: float) -> tuple[list[float], list[float]]:
+    """Per repeat at time scale `scale` where both arms served requests: ours / stock mean TTFT, and P99 TTFT."""
+    def run(arm, rep):
+        return next((r for r in record["runs"] if r["arm"] == arm and r["repeat"] == rep and r["time_scale"] == scale
+                     and r.get("num_ok")), None)
+
+    pairs = [(o, k) for o, k in ((run(ours, rep), run(stock, rep)) for rep in range(record["setup"]["repeats"]))
+             if o and k]
+    return ([o["mean_ttft_s"] / k["mean_ttft_s"] for o, k in pairs],
+            [o["p99_ttft_s"] / k["p99_ttft_s"] for o, k in pairs])
 
 
 def headline_lines(record: dict, arms: list[str], baselines: list[str]) -> list[str]:
@@ -399,17 +404,11 @@ def headline_lines(record: dict, arms: list[str], baselines: list[str]) -> list[
         best = min(scored)[1]
         rate = ok(best)[0]["rate_req_s"]
         for ours in [a for a in arms if a not in baselines]:
-            pairs = []
-            for rep in range(s["repeats"]):
-                o = [r for r in ok(ours) if r["repeat"] == rep]
-                k = [r for r in ok(best) if r["repeat"] == rep]
-                if o and k:
-                    pairs.append((o[0]["mean_ttft_s"] / k[0]["mean_ttft_s"], o[0]["p99_ttft_s"] / k[0]["p99_ttft_s"]))
-            if pairs:
-                mean_r, p99_r = [p[0] for p in pairs], [p[1] for p in pairs]
+            mean_r, p99_r = repeat_ratios(record, ours, best, scale)
+            if mean_r:
                 lines.append(f"- {rate:.2f} req/s, {ours} / {best}: mean TTFT {statistics.median(mean_r):.2f}x "
                              f"({min(mean_r):.2f}-{max(mean_r):.2f}), P99 TTFT {statistics.median(p99_r):.2f}x "
-                             f"({min(p99_r):.2f}-{max(p99_r):.2f}), {len(pairs)} repeats")
+                             f"({min(p99_r):.2f}-{max(p99_r):.2f}), {len(mean_r)} repeats")
     return lines
 
 
