@@ -73,6 +73,9 @@ class MultiLoRAArgs:
     slot_squash_share: float = 0.5
     # multiqueue with --max-loras-per-batch: a request is retracted by slot squashes at most this often (0: never).
     max_slot_squashes: int = 1
+    # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
+    # starts a slot drain (0: never).
+    slot_drain_share: float = 1.0
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -303,6 +306,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="multiqueue: a running request is retracted by slot squashes at most N times (0: no slot squash). "
         "Higher keeps squashing possible under sustained load, when every running adapter already holds a "
         "request retracted once; each retraction costs that request a recompute of what it had.",
+    )
+    group.add_argument(
+        "--multilora-slot-drain-share",
+        type=_non_negative_float,
+        default=MultiLoRAArgs.slot_drain_share,
+        metavar="SHARE",
+        help="multiqueue: once a request has waited this share of --multilora-ttft-slo-s for one of "
+        "--max-loras-per-batch adapter slots, the running adapter predicted to finish first takes no new request "
+        "until its last one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
+        "does); it serves what no slot squash does, such as a retracted request resuming (0: never).",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -46,6 +46,12 @@ nothing unless it was evicted meanwhile. While every slot is taken, the plan loa
 request that cannot run); the squash itself loads the adapter of the request it fires for, if that is not resident.
 Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters are not modelled (with pinned
 adapters its check can refuse what the plan admits; the refused request is pushed back and keeps its place).
+
+Slot drains (slots.py, rule 3; `--multilora-slot-drain-share`) live in the plan alone: the drained adapter's queued
+requests are not planned, so SGLang's pass does not take them, and nothing is retracted. They serve the requests no
+squash serves, above all the squash's own victims: before the drain, under sustained load (every running adapter
+receiving requests), a retracted request waited up to 17.8 s to resume
+(eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md).
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class LiveScheduler:
                              requeue_s=args.requeue_s if args.requeue_s > 0 else math.inf,
                              overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf,
                              slot_squash_share=args.slot_squash_share, max_slot_squashes=args.max_slot_squashes,
+                             slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
         cache = getattr(scheduler, "tree_cache", None)
@@ -197,6 +204,10 @@ class LiveScheduler:
                           for q, st in sorted(self.mq.last_stops.items())) or "no queue stopped"
         passes = self.mq.last_passes
         slots = "" if cap is None else f", adapter slots {len(adapters)}/{cap}"
+        drain = self.mq.slot_drain
+        if drain is not None:
+            slots += (f", draining adapter {drain.adapter or 'base'} for {drain.beneficiary} "
+                      f"({now - drain.started_at:.1f} s)")
         logger.info("sgl_multilora: multiqueue holds %d queued (oldest %.1f s): planned %d, %d running, budget %d "
                     "tokens%s%s; %s; passed over: %d for a slot, %d while their adapter loads; SGLang refused %d "
                     "of the previous plan", len(queues), now - oldest, num_planned, num_running, budget, slots,
@@ -339,4 +350,5 @@ class LiveScheduler:
             "slot_squashed": s.counts["slot_squashed"], "slot_reserved_for": self.mq.slot_reserved_for,
             "timing": dataclasses.asdict(self.timing()),
             "last_stops": {str(q): dataclasses.asdict(st) for q, st in sorted(self.mq.last_stops.items())},
+            "slot_drain": None if self.mq.slot_drain is None else dataclasses.asdict(self.mq.slot_drain),
         }

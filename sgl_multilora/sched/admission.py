@@ -66,9 +66,13 @@ class BatchContext:
         return self._resident[adapter]
 
     def has_slot(self, r: SchedRequest) -> bool:
-        ok = self.slots is None or self.slots.has_slot(r)
-        self.slot_skips += not ok
-        return ok
+        """Whether r has an adapter slot in this batch; one passed over starts its slot wait."""
+        if self.slots is None or self.slots.has_slot(r):
+            return True
+        self.slot_skips += 1
+        if r.slot_wait_since is None:
+            r.slot_wait_since = self.now
+        return False
 
     def take_slot(self, r: SchedRequest) -> None:
         if self.slots is not None:

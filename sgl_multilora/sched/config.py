@@ -71,6 +71,15 @@ class SchedConfig:
     produced no token yet and a retracted request is never served by one, so squashes cannot
     cycle whatever the bound; a higher bound keeps victims available when every running adapter
     holds a request squashed before (slots.py)."""
+    slot_drain_share: float = 1.0
+    """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
+    SLO for an adapter slot starts a slot drain (slots.py): the running adapter predicted to finish
+    first takes no new request until its last one finishes, and the freed slot is reserved for the
+    waiting request. It bounds the wait of what no slot squash serves: a retracted request resuming
+    (its first token out), or one whose squash finds no victim, while the running adapters keep
+    receiving requests. math.inf: never (live, before it: resumed requests waited up to 17.8 s for a
+    slot, eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md). Set above
+    `slot_squash_share` so that a fresh request is squashed for first, which costs it less."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -89,6 +98,7 @@ class SchedConfig:
             "overdue_s > 0": self.overdue_s > 0,
             "0 <= slot_squash_share <= 1": 0 <= self.slot_squash_share <= 1,
             "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
+            "slot_drain_share >= 0": self.slot_drain_share >= 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

@@ -23,7 +23,9 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
 - With the engine's cap on adapters per batch given (`slots`), a request that would need a new
   slot when none is left is passed over in every phase, keeping its place; a slot squash
   (slots.py: the running requests of one adapter retracted so that a request about to miss its
-  TTFT SLO gets a slot) reserves the freed slot for its beneficiary in the next batch.
+  TTFT SLO gets a slot) reserves the freed slot for its beneficiary in the next batch, and a
+  slot drain (slots.py: the running adapter predicted to finish first takes no new request) gets
+  one for a request that has waited `slot_drain_share` of the SLO for a slot, retracted ones too.
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
   queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
   promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted. A
@@ -60,7 +62,13 @@ from sgl_multilora.sched.predictor import OutputLengthPredictor
 from sgl_multilora.sched.queues import QueueSet
 from sgl_multilora.sched.quotas import QuotaLedger
 from sgl_multilora.sched.request import SchedRequest
-from sgl_multilora.sched.slots import AdapterSlots, SlotSquash, choose_slot_squash
+from sgl_multilora.sched.slots import (
+    AdapterSlots,
+    SlotDrain,
+    SlotSquash,
+    choose_drain_adapter,
+    choose_slot_squash,
+)
 from sgl_multilora.sched.stats import QueueInfo, SchedStats
 
 
@@ -80,11 +88,12 @@ class MultiQueueScheduler:
         self._num_batches = 0
         self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
-        self._slot_reserved: str | None = None  # the rid a slot squash freed a slot for
+        self._slot_reserved: str | None = None  # the rid a slot squash or drain freed a slot for
+        self._drain: SlotDrain | None = None
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
                        "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
-                       "slot_skips": 0, "stops_quota": 0, "stops_budget": 0, "stops_lookahead": 0,
-                       "stops_bypass": 0, "stops_overdue_hold": 0}
+                       "slot_skips": 0, "slot_drains": 0, "stops_quota": 0, "stops_budget": 0,
+                       "stops_lookahead": 0, "stops_bypass": 0, "stops_overdue_hold": 0}
         self.last_stops: dict[int, Stop] = {}
         """Queue -> why the last batch admitted nothing more from it (queues it drained are absent)."""
         self.last_passes = {"slot": 0, "not_resident": 0}
@@ -118,6 +127,8 @@ class MultiQueueScheduler:
             self._clear_skip(r)
             if rid == self._slot_reserved:
                 self._slot_reserved = None
+            if self._drain is not None and rid == self._drain.beneficiary:
+                self._drain = None
         return r
 
     def on_finish(self, rid: str, now: float, out_len: int | None = None) -> SchedRequest:
@@ -183,8 +194,11 @@ class MultiQueueScheduler:
         self.last_stops = {}
         slots = None
         if max_adapters is not None:
+            running = set(running_adapters or ())
+            self._update_drain(now, running, max_adapters)
             reserved = self._slot_reserved if self._slot_reserved in self.queues else None
-            slots = AdapterSlots(set(running_adapters or ()), max_adapters, reserved)
+            draining = frozenset() if self._drain is None else frozenset((self._drain.adapter,))
+            slots = AdapterSlots(running, max_adapters, reserved, draining)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
         batch: list[SchedRequest] = []
         held = self._admit_overdue(ctx, batch)
@@ -284,10 +298,13 @@ class MultiQueueScheduler:
         self.queues.pop(r.rid)
         if r.rid == self._slot_reserved:
             self._slot_reserved = None
+        if self._drain is not None and r.rid == self._drain.beneficiary:
+            self._drain = None  # a slot came its way, drained or not
         self.bypass.forget_beneficiary(r.rid)
         self._clear_skip(r)
         self.ledger.charge(r.charges)
         r.admitted_at = now
+        r.slot_wait_since = None
         self._running[r.rid] = r
         self.counts["admitted"] += 1
 
@@ -305,6 +322,53 @@ class MultiQueueScheduler:
         if entry is not None and entry[0] == r.rid:
             del self._budget_skips[r.queue]
             self._promoted.pop(r.queue, None)
+
+    def _update_drain(self, now: float, running: set[str | None], cap: int) -> None:
+        """Slot drain (slots.py, rule 3), before a batch with the engine's cap: a drain whose
+        request left the queues ends; one whose adapter stopped running reserves the freed slot
+        for its request (unless another reservation is pending or the slot went to someone else:
+        the drain then ends and may start again below); with no drain, every slot taken and no
+        reservation pending, the request that has waited longest for a slot, once that is
+        `slot_drain_share` of the SLO, gets one. O(queued) when a request waited for a slot in
+        the batch before, else O(1)."""
+        drain = self._drain
+        if drain is not None:
+            if drain.beneficiary not in self.queues:
+                self._drain = None
+            elif drain.adapter not in running:
+                self._drain = None
+                if len(running) < cap and self._slot_reserved not in self.queues:
+                    self._slot_reserved = drain.beneficiary
+                    return
+        if (self._drain is not None or len(running) < cap or self._slot_reserved in self.queues
+                or not self.last_passes["slot"] or math.isinf(self.config.slot_drain_share)):
+            return
+        since = now - self.config.slot_drain_share * self.config.ttft_slo_s
+        r1 = None
+        for q in range(self.queues.num_queues):
+            for r in self.queues.scan(q):
+                if (r.slot_wait_since is not None and r.slot_wait_since <= since and r.adapter not in running
+                        and (r1 is None or (r.slot_wait_since, r.seq) < (r1.slot_wait_since, r1.seq))):
+                    r1 = r
+        if r1 is None:
+            return
+        by_adapter: dict[str | None, list[SchedRequest | None]] = {a: [] for a in running}
+        for r in self._running.values():
+            if r.adapter in by_adapter:
+                by_adapter[r.adapter].append(r)
+        for a, reqs in by_adapter.items():
+            if not reqs:
+                reqs.append(None)  # the engine runs it, the scheduler knows none of its requests
+        chosen = choose_drain_adapter(by_adapter, now, self.config.timing)
+        if chosen is None:
+            return
+        self._drain = SlotDrain(chosen[0], r1.rid, now, chosen[1])
+        self.counts["slot_drains"] += 1
+
+    @property
+    def slot_drain(self) -> SlotDrain | None:
+        """The drain under way, if any (slots.py, rule 3)."""
+        return self._drain
 
     # ---- bypass and squash -----------------------------------------------------------------------
 
@@ -466,6 +530,8 @@ class MultiQueueScheduler:
             assert sum(t for _, t in r.charges) == r.cost_tokens, f"{r} charges {r.charges}"
         assert self._slot_reserved is None or self._slot_reserved in self.queues, \
             f"a slot reserved for {self._slot_reserved}, which is not queued"
+        assert self._drain is None or self._drain.beneficiary in self.queues, \
+            f"a drain for {self._drain.beneficiary}, which is not queued"
         self.ledger.check_invariants(r.charges for r in self._running.values())
         self.bypass.check_invariants(self._running, self.queues.get)
         self.predictor.check_invariants()

@@ -53,6 +53,9 @@ class SchedRequest:
     resumed: bool = False
     """It ran and was taken back (squashed, or retracted by the engine): its first token is
     out, so no slot squash is made for it (slots.py)."""
+    slot_wait_since: float | None = None
+    """When a batch first passed it over for want of an adapter slot since it was last queued
+    (None: not waiting for one); a slot drain starts for it after `slot_drain_share` of the SLO."""
 
     @property
     def new_len(self) -> int:

@@ -1,8 +1,9 @@
-"""Batch adapter slots: the engine's cap on distinct adapters per batch, and the slot squash.
+"""Batch adapter slots: the engine's cap on distinct adapters per batch, the slot squash and drain.
 
 Lives here: `AdapterSlots` (one batch's view of the cap), `SlotSquash` and `choose_slot_squash`
-(pure). Not here: applying a squash (`MultiQueueScheduler.commit_slot_squash`; the engine retracts
-the victims) or the admission scan that asks for slots (admission.py).
+(pure), `SlotDrain` and `choose_drain_adapter` (pure). Not here: applying a squash
+(`MultiQueueScheduler.commit_slot_squash`; the engine retracts the victims), a drain's state
+(`MultiQueueScheduler`) or the admission scan that asks for slots (admission.py).
 
 The resource. SGLang runs at most `--max-loras-per-batch` distinct adapters in one batch (the base
 model counts as one); a request whose adapter is not among the running ones waits until every
@@ -30,10 +31,24 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    prefill rate. Bounds: one squash at a time (none while a reservation is pending), a request
    squashed at most `max_slot_squashes` times, and a retracted request is never R1 (its first token is
    out; its TTFT cannot be saved), so squashes cannot cascade or alternate.
+3. Slot drain (SGLang's LoRA drainer, `--lora-drain-wait-threshold`, for the plan). Neither rule
+   above serves a request the squash may not fire for (a retracted one resuming, or one whose
+   squash finds no victim): while the running adapters keep receiving requests, which need no new
+   slot, no slot ever frees for it. When every slot is taken and a queued request that needs a new
+   one has waited `config.slot_drain_share` of the SLO for it (since a batch first passed it over),
+   the running adapter predicted to finish first (`choose_drain_adapter`) takes no new request
+   until its last running one finishes; the freed slot is then reserved for that request for one
+   batch. One drain at a time, the longest-waiting request first, none while a squash's
+   reservation is pending. Nothing is retracted, so a drain costs no recompute; it delays the
+   drained adapter's new requests instead. Bound: a request waiting for a slot gets one within
+   the threshold plus, for each drain ahead of it and its own, the drained adapter's longest
+   remaining decode (finite: every request has its max_new_tokens), unless an adapter retracted
+   again by the engine keeps its slot.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +65,8 @@ class AdapterSlots:
     running: set[str | None]
     cap: int
     reserved: str | None = None
+    draining: frozenset[str | None] = frozenset()
+    """Adapters being drained: their requests get no slot, even while the adapter runs."""
     in_batch: set[str | None] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -58,6 +75,8 @@ class AdapterSlots:
         self.in_batch = set(self.running)
 
     def has_slot(self, r: SchedRequest) -> bool:
+        if r.adapter in self.draining:
+            return False
         if r.adapter in self.in_batch:
             return True
         held = self.reserved is not None and self.reserved != r.rid
@@ -79,6 +98,38 @@ class SlotSquash:
     """R1: queued; the freed slot is reserved for it."""
     wait_s: float
     """Predicted time until a slot would have freed without the squash."""
+
+
+@dataclass(frozen=True)
+class SlotDrain:
+    adapter: str | None
+    """The running adapter that takes no new request until its last one finishes (None: the base
+    model)."""
+    beneficiary: str
+    """The queued rid the freed slot is reserved for."""
+    started_at: float
+    finish_s: float
+    """Predicted time from `started_at` until the adapter's running requests finish (inf: some of
+    them unknown to the scheduler)."""
+
+
+def choose_drain_adapter(running: Mapping[str | None, Sequence[SchedRequest | None]], now: float,
+                         timing: TimingModel, exclude: Collection[str | None] = ()
+                         ) -> tuple[str | None, float] | None:
+    """The running adapter to drain, with its predicted time to finish: the one whose last running
+    request is predicted to finish first (fewer requests, then name, break ties); an adapter with a
+    request the scheduler does not know (None) predicts inf and goes last. None when every running
+    adapter is in `exclude`. Pure."""
+    best = None
+    for adapter, reqs in running.items():
+        if adapter in exclude:
+            continue
+        finish = math.inf if any(r is None for r in reqs) else max(
+            (timing.remaining_s(r, now) for r in reqs), default=0.0)
+        key = (finish, len(reqs), "" if adapter is None else adapter)
+        if best is None or key < best[0]:
+            best = (key, adapter)
+    return None if best is None else (best[1], best[0][0])
 
 
 def slot_free_in_s(running: Mapping[str | None, Sequence[SchedRequest]], now: float,

@@ -179,6 +179,7 @@ def test_a_request_blocked_by_the_adapter_slot_cap_gets_a_slot_squashed_for_it(s
     after = wait_idle(server)["scheduler"]
     assert after["counts"]["slot_squashes"] - before["counts"]["slot_squashes"] == 1, after
     assert after["slot_squashed"] > before["slot_squashed"] and after["slot_reserved_for"] is None, after
+    assert after["slot_drain"] is None, after  # idle: no drain outlives the requests it was for
     short_done = done["short"][0]
     assert short_done < min(done[f"long{i}"][0] for i in range(len(holders))), \
         f"the short request ({short_done - sent:.1f} s) waited for a long decode to end"

@@ -67,7 +67,8 @@ class MultiQueueAdmission(BaseAdmission):
                                                               max_rank=max_rank),
                                    timing=timing, overdue_s=self.overdue_s(config),
                                    slot_squash_share=config.slot_squash_share,
-                                   max_slot_squashes=config.max_slot_squashes)
+                                   max_slot_squashes=config.max_slot_squashes,
+                                   slot_drain_share=config.slot_drain_share or math.inf)
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
