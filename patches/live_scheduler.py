@@ -206,13 +206,22 @@ class LiveScheduler:
         slots = "" if cap is None else f", adapter slots {len(adapters)}/{cap}"
         drain = self.mq.slot_drain
         if drain is not None:
-            slots += (f", draining adapter {drain.adapter or 'base'} for {drain.beneficiary} "
+            slots += (f", draining adapter {self._label(drain.adapter)} for {drain.beneficiary} "
                       f"({now - drain.started_at:.1f} s)")
         logger.info("sgl_multilora: multiqueue holds %d queued (oldest %.1f s): planned %d, %d running, budget %d "
                     "tokens%s%s; %s; passed over: %d for a slot, %d while their adapter loads; SGLang refused %d "
                     "of the previous plan", len(queues), now - oldest, num_planned, num_running, budget, slots,
                     ", SGLang's batch full" if batch_full else "", stops, passes["slot"], passes["not_resident"],
                     self._pushed_back)
+
+    @staticmethod
+    def _label(identity: str | None) -> str:
+        """An adapter as the log names it: its registered name (the identity is a content hash), else the hash's
+        first 12 digits; "base" for the base model."""
+        if identity is None:
+            return "base"
+        found = process_state().adapters.find(identity=identity)
+        return found[1].name if found is not None else identity[:12]
 
     @staticmethod
     def _prefetch(identity: str) -> bool:
@@ -320,7 +329,7 @@ class LiveScheduler:
         for req in victims:
             scheduler._add_request_to_queue(req, is_retracted=True)
         logger.info("sgl_multilora: squashed %d request(s) of adapter %s for request %s's adapter slot "
-                    "(a slot would have freed in %.1f s)", len(victims), squash.adapter or "base",
+                    "(a slot would have freed in %.1f s)", len(victims), self._label(squash.adapter),
                     squash.beneficiary.rid, squash.wait_s)
         return victims
 
