@@ -313,8 +313,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.slot_drain_share,
         metavar="SHARE",
         help="multiqueue: once a request has waited this share of --multilora-ttft-slo-s for one of "
-        "--max-loras-per-batch adapter slots, the running adapter predicted to finish first takes no new request "
-        "until its last one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
+        "--max-loras-per-batch adapter slots, the running adapter whose drain delays the fewest request-seconds (its "
+        "predicted time to finish, weighed by its queued and arriving requests) takes no new request until its last "
+        "one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
         "does); it serves what no slot squash does, such as a retracted request resuming (0: never).",
     )
     group.add_argument(

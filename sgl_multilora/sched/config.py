@@ -73,8 +73,8 @@ class SchedConfig:
     holds a request squashed before (slots.py)."""
     slot_drain_share: float = 1.0
     """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
-    SLO for an adapter slot starts a slot drain (slots.py): the running adapter predicted to finish
-    first takes no new request until its last one finishes, and the freed slot is reserved for the
+    SLO for an adapter slot starts a slot drain (slots.py): the running adapter whose drain delays
+    the fewest request-seconds takes no new request until its last one finishes, and the freed slot is reserved for the
     waiting request. It bounds the wait of what no slot squash serves: a retracted request resuming
     (its first token out), or one whose squash finds no victim, while the running adapters keep
     receiving requests. math.inf: never (live, before it: resumed requests waited up to 17.8 s for a

@@ -24,8 +24,9 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   slot when none is left is passed over in every phase, keeping its place; a slot squash
   (slots.py: the running requests of one adapter retracted so that a request about to miss its
   TTFT SLO gets a slot) reserves the freed slot for its beneficiary in the next batch, and a
-  slot drain (slots.py: the running adapter predicted to finish first takes no new request) gets
-  one for a request that has waited `slot_drain_share` of the SLO for a slot, retracted ones too.
+  slot drain (slots.py: the running adapter whose drain adds the least waiting takes no new
+  request) gets one for a request that has waited `slot_drain_share` of the SLO for a slot,
+  retracted ones too.
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost. A
   queue whose stopped request fitted its quota but not the budget in `max_budget_skips` batches is
   promoted: promoted queues go first in phase 1, oldest promotion first, until it is admitted. A
@@ -197,8 +198,10 @@ class MultiQueueScheduler:
             running = set(running_adapters or ())
             self._update_drain(now, running, max_adapters)
             reserved = self._slot_reserved if self._slot_reserved in self.queues else None
-            draining = frozenset() if self._drain is None else frozenset((self._drain.adapter,))
-            slots = AdapterSlots(running, max_adapters, reserved, draining)
+            drain = self._drain
+            slots = AdapterSlots(running, max_adapters, reserved,
+                                 frozenset() if drain is None else frozenset((drain.adapter,)),
+                                 None if drain is None else drain.beneficiary)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
         batch: list[SchedRequest] = []
         held = self._admit_overdue(ctx, batch)
@@ -345,8 +348,10 @@ class MultiQueueScheduler:
             return
         since = now - self.config.slot_drain_share * self.config.ttft_slo_s
         r1 = None
+        waiting: dict[str | None, int] = {}
         for q in range(self.queues.num_queues):
             for r in self.queues.scan(q):
+                waiting[r.adapter] = waiting.get(r.adapter, 0) + 1
                 if (r.slot_wait_since is not None and r.slot_wait_since <= since and r.adapter not in running
                         and (r1 is None or (r.slot_wait_since, r.seq) < (r1.slot_wait_since, r1.seq))):
                     r1 = r
@@ -359,11 +364,24 @@ class MultiQueueScheduler:
         for a, reqs in by_adapter.items():
             if not reqs:
                 reqs.append(None)  # the engine runs it, the scheduler knows none of its requests
-        chosen = choose_drain_adapter(by_adapter, now, self.config.timing)
+        chosen = choose_drain_adapter(by_adapter, now, self.config.timing, waiting, self._arrival_rates(now, running))
         if chosen is None:
             return
         self._drain = SlotDrain(chosen[0], r1.rid, now, chosen[1])
         self.counts["slot_drains"] += 1
+
+    def _arrival_rates(self, now: float, adapters: Collection[str | None]) -> dict[str | None, float]:
+        """Requests per second of each of `adapters` over the fitting window's arrivals (at most
+        `window_s` back; O(window))."""
+        counts = dict.fromkeys(adapters, 0)
+        first = now
+        for r in self._window:
+            if r.arrival >= now - self.config.window_s:
+                first = min(first, r.arrival)
+                if r.adapter in counts:
+                    counts[r.adapter] += 1
+        span = max(now - first, 1.0)
+        return {a: n / span for a, n in counts.items()}
 
     @property
     def slot_drain(self) -> SlotDrain | None:

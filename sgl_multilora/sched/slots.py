@@ -36,8 +36,9 @@ such cap, so the paper has no rule for it; these two apply its ideas to it.
    squash finds no victim): while the running adapters keep receiving requests, which need no new
    slot, no slot ever frees for it. When every slot is taken and a queued request that needs a new
    one has waited `config.slot_drain_share` of the SLO for it (since a batch first passed it over),
-   the running adapter predicted to finish first (`choose_drain_adapter`) takes no new request
-   until its last running one finishes; the freed slot is then reserved for that request for one
+   the running adapter whose drain adds the least waiting (`choose_drain_adapter`: its predicted
+   time to finish, weighed by its queued and arriving requests) takes no new request until its
+   last running one finishes; the freed slot is then reserved for that request for one
    batch. One drain at a time, the longest-waiting request first, none while a squash's
    reservation is pending. Nothing is retracted, so a drain costs no recompute; it delays the
    drained adapter's new requests instead. Bound: a request waiting for a slot gets one within
@@ -67,6 +68,8 @@ class AdapterSlots:
     reserved: str | None = None
     draining: frozenset[str | None] = frozenset()
     """Adapters being drained: their requests get no slot, even while the adapter runs."""
+    drain_for: str | None = None
+    """The rid the drain is for: once it takes a slot, the drain is over."""
     in_batch: set[str | None] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class AdapterSlots:
         self.in_batch.add(r.adapter)
         if r.rid == self.reserved:
             self.reserved = None
+        if r.rid == self.drain_for:
+            self.draining, self.drain_for = frozenset(), None
 
 
 @dataclass(frozen=True)
@@ -114,22 +119,32 @@ class SlotDrain:
 
 
 def choose_drain_adapter(running: Mapping[str | None, Sequence[SchedRequest | None]], now: float,
-                         timing: TimingModel, exclude: Collection[str | None] = ()
-                         ) -> tuple[str | None, float] | None:
-    """The running adapter to drain, with its predicted time to finish: the one whose last running
-    request is predicted to finish first (fewer requests, then name, break ties); an adapter with a
-    request the scheduler does not know (None) predicts inf and goes last. None when every running
-    adapter is in `exclude`. Pure."""
+                         timing: TimingModel, waiting: Mapping[str | None, int] | None = None,
+                         rates: Mapping[str | None, float] | None = None,
+                         exclude: Collection[str | None] = ()) -> tuple[str | None, float] | None:
+    """The running adapter to drain, with its predicted time to finish (its last running request's
+    end): the one whose drain adds the least waiting, in request-seconds. Draining adapter A for
+    `finish` seconds holds up the request it is for and A's `waiting` queued requests for up to
+    `finish` each, and A's requests arriving meanwhile (at A's recent arrival rate, `rates`, per
+    second) for half of it on average: cost = finish (1 + waiting) + rate finish^2 / 2. So an idle
+    adapter goes before a busy one that would finish a little sooner (live, draining the busy one
+    kept its new requests from their first token for 8-10 s:
+    eval/results/multiqueue_live_rates_maxrate_seed1_drain.md). Ties: sooner, fewer running
+    requests, name. An adapter with a request the scheduler does not know (None) predicts inf and
+    goes last. None when every running adapter is in `exclude`. Pure."""
+    waiting, rates = waiting or {}, rates or {}
     best = None
     for adapter, reqs in running.items():
         if adapter in exclude:
             continue
         finish = math.inf if any(r is None for r in reqs) else max(
             (timing.remaining_s(r, now) for r in reqs), default=0.0)
-        key = (finish, len(reqs), "" if adapter is None else adapter)
+        cost = math.inf if math.isinf(finish) else (
+            finish * (1 + waiting.get(adapter, 0)) + rates.get(adapter, 0.0) * finish * finish / 2)
+        key = (cost, finish, len(reqs), "" if adapter is None else adapter)
         if best is None or key < best[0]:
             best = (key, adapter)
-    return None if best is None else (best[1], best[0][0])
+    return None if best is None else (best[1], best[0][1])
 
 
 def slot_free_in_s(running: Mapping[str | None, Sequence[SchedRequest]], now: float,

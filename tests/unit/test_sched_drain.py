@@ -78,7 +78,8 @@ def test_story_a_squashed_request_gets_the_slot_of_the_adapter_finishing_first()
             s.add(req(f"{a}@{t}", a, out_len=out_len[a], arrival=t))
         assert batch(s, t, 3) == [f"a@{t}", f"b@{t}", f"c@{t}"] and s.slot_drain is None
     # 3.5 = 1.5 + the whole SLO: a drain starts. Predicted last finish: a 9.51 s from now (a@3.0's 100
-    # tokens), b 1.51 s (b@3.0's 20; b1 and b@2.0 sooner), c 8.01 s (c1's 100): b is drained
+    # tokens), b 1.51 s (b@3.0's 20; b1 and b@2.0 sooner), c 8.01 s (c1's 100); each has one request queued
+    # and has received 4 in 3.5 s: b's drain holds up the fewest request-seconds (4.3, against 70.7 and 52.7)
     for a in "abc":
         s.add(req(f"{a}@3.5", a, out_len=out_len[a], arrival=3.5))
     assert batch(s, 3.5, 3) == ["a@3.5", "c@3.5"]  # b takes no new request
@@ -127,15 +128,18 @@ def test_a_drain_ends_when_its_request_leaves_or_gets_a_slot_another_way():
     s.add(req("y1", "y", arrival=0.5))
     assert batch(s, 1.0, 2) == []
     s.add(req("a2", "a", arrival=3.0))
-    assert batch(s, 3.0, 2) == [] and s.slot_drain.beneficiary == "x1"  # a2: a is drained (a1 ends first by name)
+    # a1 and b1 end together, but a2 is queued for a: b is drained (b takes nothing new; a2 goes)
+    assert batch(s, 3.0, 2) == ["a2"] and (s.slot_drain.adapter, s.slot_drain.beneficiary) == ("b", "x1")
     s.remove("x1")  # aborted while queued: the drain ends with it
     assert s.slot_drain is None
     s.check_invariants()
-    # the next batch drains for y1 (waiting since 1.0); b1 then ends on its own: y1 takes b's slot
-    assert batch(s, 3.5, 2) == [] and s.slot_drain.beneficiary == "y1"
-    s.on_finish("b1", 4.0)
-    assert batch(s, 4.0, 2) == ["y1"] and s.slot_drain is None
-    assert batch(s, 4.5, 2) == ["a2"]  # the drain is over: a, still running, takes requests again
+    # the next batch drains b again, for y1 (waiting since 1.0)
+    s.add(req("b2", "b", arrival=3.5))
+    assert batch(s, 3.5, 2) == [] and (s.slot_drain.adapter, s.slot_drain.beneficiary) == ("b", "y1")
+    # a's requests end first: y1 takes a's slot, and the drain of b is over (b2 goes)
+    s.on_finish("a1", 4.0)
+    s.on_finish("a2", 4.0)
+    assert batch(s, 4.0, 2) == ["y1", "b2"] and s.slot_drain is None
     s.check_invariants()
 
 
@@ -156,7 +160,7 @@ def test_no_drain_while_a_slot_is_free_or_a_squash_reservation_is_pending():
     s.check_invariants()
 
 
-def test_choose_drain_adapter_prefers_the_first_to_finish_and_puts_unknown_requests_last():
+def test_choose_drain_adapter_weighs_the_time_to_finish_by_the_requests_held_up():
     now = 0.0
     a, b = req("a", "a", out_len=30), req("b", "b", out_len=10)
     a.admitted_at = b.admitted_at = 0.0
@@ -167,6 +171,12 @@ def test_choose_drain_adapter_prefers_the_first_to_finish_and_puts_unknown_reque
     assert choose_drain_adapter({"a": [a], "b": [b, None]}, now, TIMING)[0] == "a"
     assert choose_drain_adapter({None: [None], "a": [a]}, now, TIMING)[0] == "a"
     assert choose_drain_adapter({"a": [a]}, now, TIMING, exclude={"a"}) is None
+    # weighed by the requests the drain holds up: b ends 2 s sooner, but three of its requests are queued
+    # (1.01 s x 4 = 4.04 request-seconds against a's 3.01 x 1), or it receives two a second (1.01 + 2 x 1.01^2 / 2
+    # = 2.03 against a's 3.01: b still; at four a second 3.05: a)
+    assert choose_drain_adapter({"a": [a], "b": [b]}, now, TIMING, waiting={"b": 3})[0] == "a"
+    assert choose_drain_adapter({"a": [a], "b": [b]}, now, TIMING, rates={"b": 2.0})[0] == "b"
+    assert choose_drain_adapter({"a": [a], "b": [b]}, now, TIMING, rates={"b": 4.0})[0] == "a"
     slots = AdapterSlots({"a", "b"}, 3, draining=frozenset({"a"}))
     assert not slots.has_slot(a) and slots.has_slot(b) and slots.has_slot(req("z", "z"))
 
