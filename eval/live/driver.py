@@ -262,7 +262,11 @@ class ArmReplay:
 
     async def run(self) -> list[RequestResult]:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10)
-        connector = aiohttp.TCPConnector(limit=0)
+        # a fresh connection per request: a pooled keep-alive connection that the server closes as idle just as a
+        # request reuses it fails that request with "Server disconnected" before the server sees it (one replay
+        # of eval/results/multiqueue_live_rates_maxrate_seed1_draincost.jsonl lost its arm to it: the server logged
+        # no such request and kept serving); on localhost a connection costs well under a millisecond
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             loop = asyncio.get_running_loop()
             self.texts = {r.rid: loop.create_future() for r in self.workload.requests}
