@@ -53,6 +53,7 @@ class BatchContext:
                  prefetch: RequestPrefetch | None, slots: AdapterSlots | None = None) -> None:
         self.now, self.budget, self.slots = now, budget, slots
         self.slot_skips = 0
+        self.slot_waits_started = 0  # requests this batch first passed over for a slot
         self.not_resident = 0  # requests passed over while their adapter loads
         self._is_resident, self._prefetch = is_resident, prefetch
         self._resident: dict[str, bool] = {}
@@ -72,6 +73,7 @@ class BatchContext:
         self.slot_skips += 1
         if r.slot_wait_since is None:
             r.slot_wait_since = self.now
+            self.slot_waits_started += 1
         return False
 
     def take_slot(self, r: SchedRequest) -> None:

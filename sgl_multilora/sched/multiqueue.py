@@ -91,6 +91,8 @@ class MultiQueueScheduler:
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
         self._slot_reserved: str | None = None  # the rid a slot squash or drain freed a slot for
         self._drain: SlotDrain | None = None
+        self._slot_wait_floor = math.inf  # no queued request has waited for a slot since before this
+        self._window_counts: dict[str | None, int] = {}  # adapter -> its requests in the window
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
                        "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
                        "slot_skips": 0, "slot_drains": 0, "stops_quota": 0, "stops_budget": 0,
@@ -118,7 +120,10 @@ class MultiQueueScheduler:
         r.wrs = self.plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank)
         r.seq, self._seq = self._seq, self._seq + 1
         self.queues.push(r, self.plan.route(r.wrs))
+        if len(self._window) == self._window.maxlen:
+            self._window_popleft()
         self._window.append(r)
+        self._window_counts[r.adapter] = self._window_counts.get(r.adapter, 0) + 1
 
     def remove(self, rid: str) -> SchedRequest | None:
         """Takes a queued request out (abort, adapter unloaded); None if it is not queued."""
@@ -230,6 +235,8 @@ class MultiQueueScheduler:
         for stop in self.last_stops.values():
             self.counts["stops_" + stop.reason] += 1
         self.last_passes = {"slot": ctx.slot_skips, "not_resident": ctx.not_resident}
+        if ctx.slot_waits_started:
+            self._slot_wait_floor = min(self._slot_wait_floor, ctx.now)
         self._slot_reserved = None
         self._num_batches += 1
 
@@ -332,8 +339,8 @@ class MultiQueueScheduler:
         for its request (unless another reservation is pending or the slot went to someone else:
         the drain then ends and may start again below); with no drain, every slot taken and no
         reservation pending, the request that has waited longest for a slot, once that is
-        `slot_drain_share` of the SLO, gets one. O(queued) when a request waited for a slot in
-        the batch before, else O(1)."""
+        `slot_drain_share` of the SLO, gets one. O(queued) only when no drain is under way and the
+        earliest slot wait known (a lower bound, exact after each scan) is that old, else O(1)."""
         drain = self._drain
         if drain is not None:
             if drain.beneficiary not in self.queues:
@@ -343,18 +350,23 @@ class MultiQueueScheduler:
                 if len(running) < cap and self._slot_reserved not in self.queues:
                     self._slot_reserved = drain.beneficiary
                     return
-        if (self._drain is not None or len(running) < cap or self._slot_reserved in self.queues
-                or not self.last_passes["slot"] or math.isinf(self.config.slot_drain_share)):
-            return
         since = now - self.config.slot_drain_share * self.config.ttft_slo_s
+        if (self._drain is not None or len(running) < cap or self._slot_reserved in self.queues
+                or self._slot_wait_floor > since):
+            return
         r1 = None
         waiting: dict[str | None, int] = {}
+        floor = math.inf
         for q in range(self.queues.num_queues):
             for r in self.queues.scan(q):
                 waiting[r.adapter] = waiting.get(r.adapter, 0) + 1
-                if (r.slot_wait_since is not None and r.slot_wait_since <= since and r.adapter not in running
+                if r.slot_wait_since is None:
+                    continue
+                floor = min(floor, r.slot_wait_since)
+                if (r.slot_wait_since <= since and r.adapter not in running
                         and (r1 is None or (r.slot_wait_since, r.seq) < (r1.slot_wait_since, r1.seq))):
                     r1 = r
+        self._slot_wait_floor = floor  # exact now; batches lower it as requests start waiting
         if r1 is None:
             return
         by_adapter: dict[str | None, list[SchedRequest | None]] = {a: [] for a in running}
@@ -371,17 +383,18 @@ class MultiQueueScheduler:
         self.counts["slot_drains"] += 1
 
     def _arrival_rates(self, now: float, adapters: Collection[str | None]) -> dict[str | None, float]:
-        """Requests per second of each of `adapters` over the fitting window's arrivals (at most
-        `window_s` back; O(window))."""
-        counts = dict.fromkeys(adapters, 0)
-        first = now
-        for r in self._window:
-            if r.arrival >= now - self.config.window_s:
-                first = min(first, r.arrival)
-                if r.adapter in counts:
-                    counts[r.adapter] += 1
-        span = max(now - first, 1.0)
-        return {a: n / span for a, n in counts.items()}
+        """Each of `adapters`' arrival rate (requests per second) over the fitting window, which
+        `build_batch`'s refresh has just trimmed to `window_s` (O(len(adapters)))."""
+        span = max(now - self._window[0].arrival, 1.0) if self._window else 1.0
+        return {a: self._window_counts.get(a, 0) / span for a in adapters}
+
+    def _window_popleft(self) -> None:
+        r = self._window.popleft()
+        n = self._window_counts[r.adapter] - 1
+        if n:
+            self._window_counts[r.adapter] = n
+        else:
+            del self._window_counts[r.adapter]
 
     @property
     def slot_drain(self) -> SlotDrain | None:
@@ -468,7 +481,7 @@ class MultiQueueScheduler:
         if not self.config.adaptive and not force:
             return False
         while self._window and self._window[0].arrival < now - self.config.window_s:
-            self._window.popleft()
+            self._window_popleft()
         if not force and not self._refit_due(now):
             return False
         if len(self._window) < self.config.min_samples:
@@ -550,6 +563,10 @@ class MultiQueueScheduler:
             f"a slot reserved for {self._slot_reserved}, which is not queued"
         assert self._drain is None or self._drain.beneficiary in self.queues, \
             f"a drain for {self._drain.beneficiary}, which is not queued"
+        counts: dict[str | None, int] = {}
+        for r in self._window:
+            counts[r.adapter] = counts.get(r.adapter, 0) + 1
+        assert counts == self._window_counts, "the window's per-adapter counts drifted"
         self.ledger.check_invariants(r.charges for r in self._running.values())
         self.bypass.check_invariants(self._running, self.queues.get)
         self.predictor.check_invariants()
