@@ -74,8 +74,8 @@ class MultiLoRAArgs:
     # multiqueue with --max-loras-per-batch: a request is retracted by slot squashes at most this often (0: never).
     max_slot_squashes: int = 1
     # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
-    # starts a slot drain (0: never).
-    slot_drain_share: float = 1.0
+    # starts a slot drain (0: never, the default: see --help).
+    slot_drain_share: float = 0.0
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -316,7 +316,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-loras-per-batch adapter slots, the running adapter whose drain delays the fewest request-seconds (its "
         "predicted time to finish, weighed by its queued and arriving requests) takes no new request until its last "
         "one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
-        "does); it serves what no slot squash does, such as a retracted request resuming (0: never).",
+        "does); it serves what no slot squash does, such as a retracted request resuming. 0 (the default): never; "
+        "1 bounds a retracted request's wait, at the cost of the drained adapter's new requests' first tokens.",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -100,7 +100,8 @@ def summary_us(ns: list[int]) -> dict[str, float]:
 
 def run(args) -> dict:
     cfg = SchedConfig(total_tokens=args.total_tokens, ttft_slo_s=5.0,
-                      overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf)
+                      overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf,
+                      slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf)
     sched = MultiQueueScheduler(cfg)
     work, cache = Workload(args), AdapterCache(args.resident, args.load_iters)
     true_out: dict[str, int] = {}
@@ -178,6 +179,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overdue-s", type=float, default=0.0,
                         help="SchedConfig.overdue_s (--multilora-overdue-s); 0: off")
+    parser.add_argument("--slot-drain-share", type=float, default=0.0,
+                        help="SchedConfig.slot_drain_share (--multilora-slot-drain-share, with a cap); 0: off")
     parser.add_argument("--max-loras-per-batch", type=int, default=0,
                         help="SGLang's cap on distinct adapters per batch (0: none); the running set is built "
                              "outside the timed call")

@@ -203,6 +203,7 @@ def _cap(setup: dict) -> str:
         return ""
     share, bound = sim.get("slot_squash_share", 0.5), sim.get("max_slot_squashes", 1)  # older records: the defaults
     drain = sim.get("slot_drain_share", 0)  # older records: before the slot drain
+    drain = 0 if drain is None or math.isinf(drain) else drain
     return (f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`; multiqueue's slot "
             f"squash after {share:g} of the SLO, at most {bound} per request; "
             + (f"slot drain after {drain:g} of the SLO" if drain else "no slot drain"))

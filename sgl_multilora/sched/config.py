@@ -71,14 +71,18 @@ class SchedConfig:
     produced no token yet and a retracted request is never served by one, so squashes cannot
     cycle whatever the bound; a higher bound keeps victims available when every running adapter
     holds a request squashed before (slots.py)."""
-    slot_drain_share: float = 1.0
+    slot_drain_share: float = math.inf
     """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
     SLO for an adapter slot starts a slot drain (slots.py): the running adapter whose drain delays
-    the fewest request-seconds takes no new request until its last one finishes, and the freed slot is reserved for the
-    waiting request. It bounds the wait of what no slot squash serves: a retracted request resuming
-    (its first token out), or one whose squash finds no victim, while the running adapters keep
-    receiving requests. math.inf: never (live, before it: resumed requests waited up to 17.8 s for a
-    slot, eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md). Set above
+    the fewest request-seconds takes no new request until its last one finishes, and the freed
+    slot is reserved for the waiting request. It bounds the wait of what no slot squash serves: a
+    retracted request resuming (its first token out), or one whose squash finds no victim, while
+    the running adapters keep receiving requests (without it, live, resumed requests waited up to
+    17.8 s for a slot: eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md). math.inf (the
+    default): never. Off by default because, live past the knee, the requests of the drained
+    adapters paid for it in first-token time: P99 TTFT 5.98 s (share 1) against 2.59 s without it at
+    2.69 req/s, SLO goodput 1.70 against 2.33 req/s
+    (eval/results/multiqueue_live_rates_maxrate_seed1_draincost.md). Set it above
     `slot_squash_share` so that a fresh request is squashed for first, which costs it less."""
     timing: TimingModel = field(default_factory=TimingModel)
 

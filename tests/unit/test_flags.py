@@ -88,9 +88,9 @@ def test_memory_flags(monkeypatch):
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
     assert flags.pop_from_namespace(ns).max_slot_squashes == 0
-    assert flags.MultiLoRAArgs().slot_drain_share == 1.0
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-drain-share", "0"])
-    assert flags.pop_from_namespace(ns).slot_drain_share == 0.0
+    assert flags.MultiLoRAArgs().slot_drain_share == 0.0  # off by default
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-drain-share", "1"])
+    assert flags.pop_from_namespace(ns).slot_drain_share == 1.0
     with pytest.raises(SystemExit):
         parser().parse_args(["--multilora-slot-drain-share", "-1"])
     # the unified pool needs the tree backend (set at parse time) and `unified`

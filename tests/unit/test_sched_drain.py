@@ -29,9 +29,11 @@ SLO = 2.0
 
 
 def make(**config) -> MultiQueueScheduler:
-    """One queue of 10^6 tokens (no quota ever stops it); no slot squash unless asked for."""
+    """One queue of 10^6 tokens (no quota ever stops it); the drain on at the whole SLO (off by default); no
+    slot squash unless asked for."""
     cfg = SchedConfig(**{"total_tokens": 10**6, "requeue_s": math.inf, "timing": TIMING, "ttft_slo_s": SLO,
-                         "max_slot_squashes": 0, "initial_norm": WrsNormalizer(1000, 1000, 8), **config})
+                         "max_slot_squashes": 0, "slot_drain_share": 1.0,
+                         "initial_norm": WrsNormalizer(1000, 1000, 8), **config})
     s = MultiQueueScheduler(cfg, OutputLengthPredictor(default_out_len=10**6))
     s.set_plan([], [10**6])
     return s
