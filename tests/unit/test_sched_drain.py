@@ -23,6 +23,7 @@ from sgl_multilora.sched import (
     WrsNormalizer,
 )
 from sgl_multilora.sched.slots import AdapterSlots, choose_drain_adapter
+from tests.unit.test_sched_slots import running_map
 
 TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
 SLO = 2.0
@@ -41,13 +42,6 @@ def make(**config) -> MultiQueueScheduler:
 
 def req(rid: str, adapter: str | None, out_len: int = 100, arrival: float = 0.0, in_len: int = 10) -> SchedRequest:
     return SchedRequest(rid, adapter, in_len, rank=8, max_new_tokens=out_len, arrival=arrival)
-
-
-def running_map(s: MultiQueueScheduler) -> dict:
-    out: dict = {}
-    for r in s.running.values():
-        out.setdefault(r.adapter, []).append(r.rid)
-    return out
 
 
 def engine_adapters(s: MultiQueueScheduler) -> set:
