@@ -89,7 +89,7 @@ class MultiLoRAArgs:
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
 EXTEND_ATTENTION_CHOICES = ("ours", "stock")
-LORA_OPS_CHOICES = ("auto", "triton", "torch", "flashinfer")
+LORA_OPS_CHOICES = ("auto", "triton", "cpu", "torch", "flashinfer")
 INGRESS_CHOICES = ("strict", "stock")
 MEMORY_CHOICES = ("unified", "separate")
 EVICTION_POLICY_CHOICES = ("elora", "chameleon", "lru")
@@ -323,8 +323,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--multilora-lora-ops",
         choices=LORA_OPS_CHOICES,
         default=MultiLoRAArgs.lora_ops,
-        help="LoRA op implementation of --lora-backend multilora: 'auto' (Triton on CUDA, torch references "
-        "elsewhere), 'triton', 'torch', or 'flashinfer' (FlashInfer's segment GEMM; GPU only).",
+        help="LoRA op implementation of --lora-backend multilora and of the CPU path: 'auto' (Triton on CUDA, "
+        "'cpu' elsewhere), 'triton', 'cpu' (the host op: one gather, two matmuls per adapter, one scatter), "
+        "'torch' (the plain references), or 'flashinfer' (FlashInfer's segment GEMM; GPU only).",
     )
 
 

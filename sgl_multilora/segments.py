@@ -63,6 +63,7 @@ class SegmentMeta:
         # tokens past the batch are NO_ADAPTER padding, never referenced.
         self.padded = False
         self._rows: list[torch.Tensor] | None = None
+        self._host: tuple[list[int], torch.Tensor | None] | None = None
 
     def _allocate_tokens(self, max_tokens: int) -> None:
         device = self.seg_indptr.device
@@ -94,7 +95,7 @@ class SegmentMeta:
         prepared step. Reallocates: never call it on a layout that a captured CUDA graph reads."""
         if num_tokens > self.max_tokens:
             self._allocate_tokens(1 << (num_tokens - 1).bit_length())
-            self.num_tokens, self.keys, self._rows = 0, (), None
+            self.num_tokens, self.keys, self._rows, self._host = 0, (), None, None
 
     def prepare(self, token_slot: torch.Tensor, *, padded: bool = False) -> None:
         """Refills the layout for a step. token_slot: int (num_tokens,) on the layout's device,
@@ -113,7 +114,7 @@ class SegmentMeta:
             raise ValueError(f"token_slot is on {token_slot.device}, the layout on {self.device}")
         if self.device.type == "cpu":
             self.check(token_slot)
-        self.num_tokens, self.padded, self.keys, self._rows = n, padded, (), None
+        self.num_tokens, self.padded, self.keys, self._rows, self._host = n, padded, (), None, None
         if token_slot.data_ptr() != self.token_slot.data_ptr():
             self.token_slot[:n].copy_(token_slot)
         keys = self._sort_keys[:n]
@@ -190,6 +191,17 @@ class SegmentMeta:
             ids = self.sorted_token_ids
             self._rows = [ids[b:e].long() for b, e in pairwise(self.seg_indptr.tolist())]
         return self._rows[slot]
+
+    def host_segments(self) -> tuple[list[int], torch.Tensor | None]:
+        """(seg_indptr as a list, the adapter tokens' rows in slot order as int64), for the host op
+        (`triton_kernels/host.py`); the rows are None when they are 0..seg_indptr[-1]-1 in order. Syncs once per
+        step; cached, since every layer of the step reads the same."""
+        if self._host is None:
+            bounds = self.seg_indptr.tolist()
+            ids = self.sorted_token_ids[: bounds[-1]].long()
+            in_order = bool(torch.equal(ids, torch.arange(bounds[-1], device=ids.device)))
+            self._host = (bounds, None if in_order else ids)
+        return self._host
 
     def check_invariants(self) -> None:
         """Asserts that the buffers describe the prepared `token_slot` (syncs; for tests)."""

@@ -1,7 +1,8 @@
 """The one call every LoRA layer makes: `lora_forward` (shrink then expand), dispatched by implementation name.
 
-Implementations: `triton` (our kernels), `torch` (the references; the CPU serving path), `flashinfer` (FlashInfer's
-segment GEMM, GPU only, imported on first use), `auto` (triton on CUDA, torch elsewhere). Not here: the kernels.
+Implementations: `triton` (our kernels), `cpu` (the host op, `host.py`: the CPU serving path), `torch` (the
+references, what the others are checked against), `flashinfer` (FlashInfer's segment GEMM, GPU only, imported on
+first use), `auto` (triton on CUDA, cpu elsewhere). Not here: the kernels.
 """
 
 from __future__ import annotations
@@ -10,20 +11,21 @@ import torch
 
 from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.expand import lora_expand, lora_expand_ref
+from sgl_multilora.triton_kernels.host import lora_forward_host
 from sgl_multilora.triton_kernels.shrink import lora_shrink, lora_shrink_ref
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
-IMPLS = ("auto", "triton", "torch", "flashinfer")
+IMPLS = ("auto", "triton", "cpu", "torch", "flashinfer")
 
 __all__ = ["IMPLS", "LoRAWeights", "lora_forward", "resolve_impl", "shrink_buffer"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """`auto` -> `triton` on CUDA, `torch` elsewhere; an unknown name raises ValueError listing the choices."""
+    """`auto` -> `triton` on CUDA, `cpu` elsewhere; an unknown name raises ValueError listing the choices."""
     if impl not in IMPLS:
         raise ValueError(f"unknown LoRA op implementation {impl!r}; choose one of {', '.join(IMPLS)}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return impl
 
 
@@ -52,6 +54,8 @@ def lora_forward(
         from sgl_multilora.triton_kernels.flashinfer import lora_forward_flashinfer
 
         return lora_forward_flashinfer(x, y, meta, weights)
+    if impl == "cpu":
+        return lora_forward_host(x, y, meta, weights)
     if t is None:
         t = shrink_buffer(x.shape[0], weights, x.device)
     if impl == "triton":
