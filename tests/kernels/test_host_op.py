@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_multilora.segments import NO_ADAPTER, SegmentMeta
+from sgl_multilora.triton_kernels import host
 from sgl_multilora.triton_kernels.ops import lora_forward, resolve_impl
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 from tests.kernels.oracle import Problem, assert_close, expected_output, make_problem
@@ -45,6 +46,22 @@ def test_matches_per_token_math(popularity, ranks, widths):
     assert_close(y, expected_output(p))
     base = p.token_slot == NO_ADAPTER
     assert torch.equal(y[base], p.y0[base])  # no-adapter rows untouched, bit for bit
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_steps_and_the_thread_count(threads):
+    """A prefill-sized step (more adapter tokens than `SINGLE_THREAD_ROWS`) and a decode-sized one: both exact, and
+    the process's thread count is what it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for num_tokens in (host.SINGLE_THREAD_ROWS // 2, 3 * host.SINGLE_THREAD_ROWS):
+            p = make_problem(num_tokens=num_tokens, in_features=32, slice_widths=[24], ranks=[8, 16, 4],
+                             popularity="zipf:1.5", dtype=torch.float32, seed=num_tokens)
+            assert_close(run_cpu(p), expected_output(p))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_grouped_rows_take_slices_and_match():
