@@ -4,12 +4,13 @@ The torch references (`lora_shrink_ref`, `lora_expand_ref`) are written to be ob
 the slot's rows, multiply, and scatter back with advanced indexing, which is 6-9 small tensor ops per slot, slice
 and module (~200 us each on a 2-core CPU: a decode step of 8 adapters over SmolLM2's 210 projections spent 4x the
 base model's matmul time in them). Here one step's adapter tokens are gathered once, in slot order, every slot's
-product is two matmuls (the scaling inside the second) into its contiguous rows of one delta, and one `index_add_` adds the delta back:
+product is two matmuls (the scaling inside the second) into its contiguous rows of one delta, and one `index_add_`
+adds the delta back:
 
     x (rows in batch order)        xs = x[sorted ids]         delta (same rows)            y
-    r0 A |                         A  r0                      A  (r0 A^T_A) B^T_A s_A       y[ids] += delta
+    r0 A |                         A  r0                      A  s_A (r0 A_A^T) B_A^T       y[ids] += delta
     r1 - |  index_select(ids) ->   A  r3      per slot:       A  ...
-    r2 X |                         X  r2      2 x mm, mul_    X  ...
+    r2 X |                         X  r2      2 x mm          X  ...
     r3 A |                        (r1: NO_ADAPTER, left out)
 
 When the adapter tokens already are rows 0..n-1 in slot order (one adapter, or requests grouped by adapter), the
