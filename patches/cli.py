@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from sgl_multilora.patches import flags
+
+logger = logging.getLogger(__name__)
 
 
 def add_cli_args(original, parser):
@@ -29,5 +32,13 @@ def from_cli_args(original, cls, args):
     if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):
         raise ValueError("--multilora-host-kv-gb needs --radix-cache-backend multilora with --multilora-memory "
                          "unified (the host tier holds what the unified pool evicts)")
+    if (ours.radix_backend and not ours.cpu_overlap and getattr(args, "device", None) == "cpu"
+            and not getattr(args, "disable_overlap_schedule", True)):
+        # The overlap loop defers each batch's results behind the next batch's forward; on a CPU that forward runs
+        # synchronously in this thread, so nothing overlaps and every first token waits one more decode step.
+        logger.warning("sgl_multilora: overlap scheduler disabled on --device cpu (nothing runs concurrently with "
+                       "the forward there; overlapping only delays each batch's results by one step; "
+                       "--multilora-cpu-overlap keeps it)")
+        args.disable_overlap_schedule = True
     flags.export(ours)
     return original(cls, args)

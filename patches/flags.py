@@ -79,6 +79,8 @@ class MultiLoRAArgs:
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
+    # Keep SGLang's overlap scheduler on --device cpu (turned off there otherwise: nothing overlaps the forward).
+    cpu_overlap: bool = False
     # Set at parse time: the radix-cache backend is ours (the unified pool needs it).
     radix_backend: bool = False
 
@@ -222,6 +224,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.check_invariants,
         help="Test mode: check the LoRA-aware tree's invariants after every scheduler step (slow; a violation "
         "stops the server with the failed invariant).",
+    )
+    group.add_argument(
+        "--multilora-cpu-overlap",
+        action="store_true",
+        default=MultiLoRAArgs.cpu_overlap,
+        help="Keep SGLang's overlap scheduler on --device cpu. Off by default there (as --disable-overlap-schedule): "
+        "the forward runs in the scheduler's own thread, so overlapping hides nothing and only delays each batch's "
+        "results, a prefill's first token included, by one forward. For comparison.",
     )
     group.add_argument(
         "--multilora-memory",

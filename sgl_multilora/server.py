@@ -21,10 +21,14 @@ from pathlib import Path
 
 def cpu_server_args(max_total_tokens: int = 8192) -> list[str]:
     """The flags a CPU server needs: the transformers model path (SGLang's native models need GPU kernels),
-    torch_native attention, fp32 (the PEFT oracle's dtype), a bounded KV pool, and an idle scheduler that sleeps
-    instead of polling (an idle polling scheduler takes a whole core from everything else on a small machine)."""
+    torch_native attention, fp32 (the PEFT oracle's dtype), a bounded KV pool, an idle scheduler that sleeps
+    instead of polling (an idle polling scheduler takes a whole core from everything else on a small machine), and no
+    overlap scheduler: on a CPU the forward runs in the scheduler's own thread, so overlapping only defers each
+    batch's results (a prefill's first token) until the next batch's forward has finished, one decode step later
+    (`eval/results/cpu_overlap.md`). Every arm of every benchmark gets these flags alike."""
     return [
         "--sleep-on-idle",
+        "--disable-overlap-schedule",
         "--device", "cpu",
         "--model-impl", "transformers",
         "--attention-backend", "torch_native",

@@ -22,14 +22,30 @@ LOAD_PLUGINS = (
     "print('applied', len(HOOKS))\n"
 )
 
+OVERLAP = (
+    "from sglang.srt.plugins import load_plugins\n"
+    "load_plugins()\n"
+    "from sglang.srt.server_args import prepare_server_args\n"
+    "from sgl_multilora.embedded import ensure_embedded_model\n"
+    "base = ['--model-path', str(ensure_embedded_model()), '--model-impl', 'transformers',\n"
+    "        '--attention-backend', 'torch_native', '--max-total-tokens', '4096']\n"
+    "for name, extra in [('ours-cpu', ['--device', 'cpu', '--radix-cache-backend', 'multilora']),\n"
+    "                    ('stock-cpu', ['--device', 'cpu']),\n"
+    "                    ('ours-cpu-kept', ['--device', 'cpu', '--radix-cache-backend', 'multilora',\n"
+    "                                       '--multilora-cpu-overlap']),\n"
+    "                    ('ours-cuda', ['--device', 'cuda', '--radix-cache-backend', 'multilora'])]:\n"
+    "    print(name, prepare_server_args(base + extra).disable_overlap_schedule)\n"
+)
+
 
 @pytest.fixture(scope="module")
 def runs():
-    """The three fresh Python processes the tests below read, started side by side (each imports SGLang)."""
+    """The fresh Python processes the tests below read, started side by side (each imports SGLang)."""
     started = SideBySide({
         "load_plugins": ["-c", LOAD_PLUGINS],
         "help": ["-m", "sglang.launch_server", "--help"],
         "bad_flag": ["-m", "sglang.launch_server", "--model-path", "unused", "--multilora-lora-compute", "fast"],
+        "overlap": ["-c", OVERLAP],
     }, timeout_s=180)
     yield started
     started.close()
@@ -55,6 +71,16 @@ def test_bad_flag_value_stops_the_launcher_with_a_clear_error(runs):
     result = runs.result("bad_flag")
     assert result.returncode == 2
     assert "argument --multilora-lora-compute: invalid choice: 'fast'" in result.stderr
+
+
+def test_overlap_scheduler_is_off_only_for_our_backend_on_cpu(runs):
+    """On a CPU the overlap loop only defers each batch's results by one forward; the plugin turns it off there when
+    its backend is on, says so, and leaves stock SGLang, GPU servers and `--multilora-cpu-overlap` as they are."""
+    result = runs.result("overlap")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-5:-1] == ["ours-cpu True", "stock-cpu False", "ours-cpu-kept False",
+                                                "ours-cuda False"], result.stdout
+    assert "overlap scheduler disabled on --device cpu" in result.stderr
 
 
 def test_hook_table_matches_installed_sglang():
