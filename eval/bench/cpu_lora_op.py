@@ -136,32 +136,37 @@ SERVER_RESULTS = RESULTS.with_name("cpu_lora_op_server.jsonl")
 SERVER_ARMS = ("cpu", "torch")
 
 
-def burst(url: str, prompts: list[str], adapters: list[str], new_tokens: int) -> dict:
-    """Sends every prompt at once (prompt i on adapter i mod len), streamed; (wall time, per-request TTFT, tokens)."""
+def stream_greedy(url: str, text: str, adapter: str, new_tokens: int) -> dict:
+    """One streamed greedy `/generate` request of exactly `new_tokens` tokens: its TTFT and total time (s), its
+    output ids."""
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
-    def one(i: int):
-        t0 = time.perf_counter()
-        body = {"text": prompts[i], "lora_path": adapters[i % len(adapters)], "stream": True,
-                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-        ttft, last = None, None
-        with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                last = json.loads(line[5:])
-        return ttft, last["output_ids"]
+    body = {"text": text, "lora_path": adapter, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            last = json.loads(line[5:])
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "ids": last["output_ids"]}
+
+
+def burst(url: str, prompts: list[str], adapters: list[str], new_tokens: int) -> dict:
+    """Sends every prompt at once (prompt i on adapter i mod len), streamed; (wall time, per-request TTFT, tokens)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(one, range(len(prompts))))
-    return {"wall_s": time.perf_counter() - t0, "ttft_s": [r[0] for r in results],
-            "tokens": [r[1] for r in results]}
+        results = list(pool.map(lambda i: stream_greedy(url, prompts[i], adapters[i % len(adapters)], new_tokens),
+                                range(len(prompts))))
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": [r["ttft_s"] for r in results],
+            "tokens": [r["ids"] for r in results]}
 
 
 def measure_server(args) -> dict:

@@ -21,13 +21,13 @@ round, and whether the probes' greedy tokens were equal between the arms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import threading
 import time
 from pathlib import Path
 
+from eval.bench.cpu_lora_op import stream_greedy
 from eval.bench.results import median_range, run_record, save
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,21 +37,9 @@ ARMS = {"overlap": ["--multilora-cpu-overlap"], "no-overlap": []}
 
 def stream(url: str, text: str, adapter: str, new_tokens: int) -> dict:
     """One streamed greedy request: its TTFT, its mean time per output token after the first, its output ids."""
-    import requests
-
-    body = {"text": text, "lora_path": adapter, "stream": True,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            last = json.loads(line[5:])
-    total = time.perf_counter() - t0
-    return {"ttft_s": ttft, "tpot_s": (total - ttft) / max(1, new_tokens - 1), "ids": last["output_ids"]}
+    one = stream_greedy(url, text, adapter, new_tokens)
+    return {"ttft_s": one["ttft_s"], "tpot_s": (one["total_s"] - one["ttft_s"]) / max(1, new_tokens - 1),
+            "ids": one["ids"]}
 
 
 def one_round(url: str, adapters: list[str], args, tag: str) -> dict:
