@@ -33,6 +33,9 @@ class MultiLoRAArgs:
     # cached prefix plus themselves (cost grows with new x total tokens). `stock`: SGLang's path, which recomputes
     # every cached position's row and drops it (cost grows with total squared).
     extend_attention: str = "ours"
+    # CPU decode attention (`--attention-backend torch_native`). `ours`: one SDPA call per group of requests of
+    # similar KV length, the layout built once per step. `stock`: SGLang's path, one call per request and layer.
+    decode_attention: str = "ours"
     # Which implementation `--lora-backend multilora` runs its LoRA ops with: `auto` (Triton on CUDA, the torch
     # references elsewhere), `triton`, `torch`, or `flashinfer` (its segment GEMM; GPU only, needs flashinfer).
     lora_ops: str = "auto"
@@ -91,6 +94,7 @@ class MultiLoRAArgs:
 
 LORA_COMPUTE_CHOICES = ("auto", "sglang")
 EXTEND_ATTENTION_CHOICES = ("ours", "stock")
+DECODE_ATTENTION_CHOICES = ("ours", "stock")
 LORA_OPS_CHOICES = ("auto", "triton", "cpu", "torch", "flashinfer")
 INGRESS_CHOICES = ("strict", "stock")
 MEMORY_CHOICES = ("unified", "separate")
@@ -194,6 +198,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.extend_attention,
         help="'ours' computes CPU extend attention for the new tokens only (torch_native backend); "
         "'stock' keeps SGLang's path.",
+    )
+    group.add_argument(
+        "--multilora-decode-attention",
+        choices=DECODE_ATTENTION_CHOICES,
+        default=MultiLoRAArgs.decode_attention,
+        help="'ours' computes CPU decode attention in one call per group of requests of similar length "
+        "(torch_native backend); 'stock' keeps SGLang's path (one call per request and layer).",
     )
     group.add_argument(
         "--multilora-ingress",

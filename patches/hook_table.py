@@ -205,6 +205,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
            "extend_prefix_lens", "extend_seq_lens", "encoder_lens", "scaling", "enable_gqa", "causal",
            "is_cross_attn", "sliding_window_size"),
           "CPU extend attention for the new tokens only, not the cached prefix (stock recomputes it)"),
+    _hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
+          "around", "cpu_decode_attention:run_sdpa_forward_decode",
+          ("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens",
+           "encoder_lens", "scaling", "enable_gqa", "causal", "is_cross_attn", "sliding_window_size"),
+          "CPU decode attention in one call per group of similar lengths (stock calls SDPA once per request)"),
     # ---- CPU-only torch builds ----------------------------------------------------------------------------------
     TouchPoint("torch.Tensor.pin_memory", Kind.PROCESS_PATCH, "patches.cpu_compat:install", (),
                "a CPU-only torch rejects pin_memory(), which SGLang's LoRA code calls; pinning is meaningless "
