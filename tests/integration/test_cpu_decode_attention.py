@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sgl_multilora.patches import cpu_decode_attention, flags
+from tests.integration.test_cpu_extend_attention import make_backend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,15 +30,13 @@ MHA = dict(num_q_heads=2, num_kv_heads=2, enable_gqa=False)
 def backend():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    # The decode method reads no pool state; a stub runner lets the real constructor run on CPU.
-    return TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=None))
+    return make_backend(TorchNativeAttnBackend)  # the decode method reads no pool state either
 
 
 def stock_method():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    # Unwrapped: SGLang's own method even where the plugin's hooks were applied in this process.
-    return inspect.unwrap(TorchNativeAttnBackend._run_sdpa_forward_decode)
+    return inspect.unwrap(TorchNativeAttnBackend._run_sdpa_forward_decode)  # SGLang's own, hooks or not
 
 
 @dataclass(frozen=True)
