@@ -4,19 +4,23 @@ Each case builds a KV pool, a req_to_token table and a decode batch as `forward_
 per request; every request's K/V, the new token's included, already in the pool at shuffled slots), runs SGLang's
 own method and ours on the same inputs and compares the outputs (fp32, atol 1e-5). Lengths are chosen so that the
 grouping makes one group, several groups and padded groups. The hook must leave what it does not handle to SGLang,
-and the step's layout must be rebuilt whenever the step's inputs change.
+and the step's layout must be rebuilt whenever the step's inputs change. The upstream diff
+(`patches/upstream/torch_native_decode.diff`, the same grouping written into SGLang's file) is applied to a copy of
+the installed file and checked against SGLang's method alike.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sgl_multilora.patches import cpu_decode_attention, flags
-from tests.integration.test_cpu_extend_attention import make_backend
+from tests.integration.test_cpu_extend_attention import load_upstream, make_backend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,6 +28,7 @@ HEAD_DIM = 64
 ATOL = RTOL = 1e-5
 GQA = dict(num_q_heads=9, num_kv_heads=3, enable_gqa=True)  # SmolLM2-135M's heads
 MHA = dict(num_q_heads=2, num_kv_heads=2, enable_gqa=False)
+UPSTREAM_DIFF = Path(__file__).parents[2] / "patches" / "upstream" / "torch_native_decode.diff"
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +235,63 @@ def test_hook_follows_the_flag(backend, monkeypatch):
                                                            enable_gqa=True)
         assert not out.isnan().any()
     assert taken == ["stock"], "only --multilora-decode-attention stock should take SGLang's path"
+
+
+@pytest.fixture(scope="module")
+def upstream_backend(tmp_path_factory):
+    """SGLang's backend class with the upstream decode diff applied."""
+    return make_backend(load_upstream(UPSTREAM_DIFF, tmp_path_factory.mktemp("upstream")).TorchNativeAttnBackend)
+
+
+def new_forward(upstream_backend) -> None:
+    """What SGLang's model runner calls before each forward (no SWA pool here: out_cache_loc is not read)."""
+    upstream_backend.init_forward_metadata(SimpleNamespace(out_cache_loc=None))
+
+
+@pytest.mark.parametrize("window", [None, 0, 100, -1])
+@pytest.mark.parametrize("name", list(CASES))
+def test_upstream_diff_matches_stock(backend, upstream_backend, pad_rows, name, window):
+    seq_lens, heads, _ = CASES[name]
+    batch = make_batch(seq_lens, heads["num_q_heads"], heads["num_kv_heads"])
+    kwargs = dict(scaling=HEAD_DIM**-0.5, enable_gqa=heads["enable_gqa"], sliding_window_size=window)
+    stock = stock_method()(backend, *batch.args(), **kwargs)
+    new_forward(upstream_backend)
+    upstream = upstream_backend._run_sdpa_forward_decode(*batch.args(), **kwargs)
+    assert not upstream.isnan().any(), "a request's row was left unwritten"
+    torch.testing.assert_close(upstream, stock, atol=ATOL, rtol=RTOL)
+    # The same groups as the hook's (same rule, same constant).
+    assert len(upstream_backend.decode_groups[window][1]) == num_groups(batch, window)
+
+
+def test_upstream_diff_builds_groups_once_per_forward_and_window(backend, upstream_backend):
+    batch = make_batch([500, 20, 260], 9, 3, seed=10)
+    kwargs = dict(scaling=0.125, enable_gqa=True)
+    new_forward(upstream_backend)
+    built = {}
+    for window in (None, 50, None, 50):  # layers alternating windows in one forward
+        upstream = upstream_backend._run_sdpa_forward_decode(*batch.args(), sliding_window_size=window, **kwargs)
+        stock = stock_method()(backend, *batch.args(), sliding_window_size=window, **kwargs)
+        torch.testing.assert_close(upstream, stock, atol=ATOL, rtol=RTOL)
+        groups = upstream_backend.decode_groups[window]
+        assert built.setdefault(window, groups) is groups, "a later layer rebuilt the forward's groups"
+    assert set(upstream_backend.decode_groups) == {None, 50}
+    # The next forward: every request one token longer, its new slot written into req_to_token in place.
+    batch.req_to_token[batch.req_pool_indices, batch.seq_lens] = torch.arange(3, dtype=torch.int32) + 1
+    grown = replace(batch, seq_lens=batch.seq_lens + 1)
+    new_forward(upstream_backend)
+    assert upstream_backend.decode_groups == {}
+    upstream = upstream_backend._run_sdpa_forward_decode(*grown.args(), **kwargs)
+    torch.testing.assert_close(upstream, stock_method()(backend, *grown.args(), **kwargs), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(encoder_lens=torch.tensor([4, 4])),
+    dict(is_cross_attn=True, encoder_lens=torch.tensor([4, 4])),
+], ids=["decoder-with-encoder-tokens", "cross-attention"])
+def test_upstream_diff_leaves_encoder_batches_to_the_loop(backend, upstream_backend, kwargs):
+    batch = make_batch([20, 6], 9, 3, seed=7)
+    new_forward(upstream_backend)
+    upstream = upstream_backend._run_sdpa_forward_decode(*batch.args(), scaling=0.125, enable_gqa=True, **kwargs)
+    stock = stock_method()(backend, *batch.args(), scaling=0.125, enable_gqa=True, **kwargs)
+    torch.testing.assert_close(upstream, stock, atol=ATOL, rtol=RTOL)
+    assert upstream_backend.decode_groups == {}, "an encoder batch took the grouped path"

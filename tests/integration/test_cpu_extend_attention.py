@@ -197,23 +197,27 @@ def test_hook_follows_the_flag(backend, monkeypatch):
     assert taken == ["stock"], "only --multilora-extend-attention stock should take SGLang's path"
 
 
-@pytest.fixture(scope="module")
-def upstream_backend(tmp_path_factory):
-    """SGLang's backend class from a copy of the installed file with the upstream diff applied."""
+def load_upstream(diff: Path, root: Path):
+    """SGLang's torch_native_backend module from a copy of the installed file (under `root`) with `diff` applied."""
     import importlib.util
 
     import sglang.srt.layers.attention.torch_native_backend as installed
 
     assert shutil.which("git") is not None, "git is needed to apply the upstream diff (every checkout of this repo has it)"
-    root = tmp_path_factory.mktemp("upstream")
     target = root / "python/sglang/srt/layers/attention/torch_native_backend.py"
     target.parent.mkdir(parents=True)
     shutil.copy(installed.__file__, target)
-    subprocess.run(["git", "apply", str(UPSTREAM_DIFF)], cwd=root, check=True)
-    spec = importlib.util.spec_from_file_location("torch_native_backend_upstream", target)
+    subprocess.run(["git", "apply", str(diff)], cwd=root, check=True)
+    spec = importlib.util.spec_from_file_location(f"torch_native_backend_{diff.stem}", target)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return make_backend(module.TorchNativeAttnBackend)
+    return module
+
+
+@pytest.fixture(scope="module")
+def upstream_backend(tmp_path_factory):
+    """SGLang's backend class with the upstream diff applied."""
+    return make_backend(load_upstream(UPSTREAM_DIFF, tmp_path_factory.mktemp("upstream")).TorchNativeAttnBackend)
 
 
 @pytest.mark.parametrize("causal,window,encoder", [
