@@ -21,15 +21,20 @@ favours at GPU scale under SGLang's cap of 8 (README, Measured).
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT). Per arm: its max rate under the TTFT SLO,
 defined as the simulator defines it (`max_rate_lines`); sweep time scales from below the baselines' knee to find it.
+The report gives the max rates twice: under the fixed `--slo-s`, and under Chameleon's own rule (5x the mean TTFT
+of the baseline at light load, here its lowest swept rate; `light_load_slo`), which scales with the machine.
 
 Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
            [--arms fcfs,fcfs-drain,lpm,multiqueue] [--out eval/results/multiqueue_live.jsonl]
+       .venv/bin/python -m eval.bench.multiqueue_live --merge A.jsonl B.jsonl --out AB.jsonl  (one sweep, two runs)
+       .venv/bin/python -m eval.bench.multiqueue_live --report A.jsonl  (rewrite A.md from A's last record)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -74,7 +79,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSONL",
+                        help="run nothing: merge the last records of these files (one sweep split into runs) into "
+                             "--out, with its report")
+    parser.add_argument("--report", type=Path, metavar="JSONL",
+                        help="run nothing: rewrite the report of this file's last record")
     args = parser.parse_args()
+    if args.report:
+        text = report(last_record(args.report))
+        args.report.with_suffix(".md").write_text(text)
+        print(text)
+        return
+    if args.merge:
+        if args.out.resolve() in {m.resolve() for m in args.merge}:
+            parser.error("--out must not be one of the files merged")
+        try:
+            merged = merge([last_record(m) for m in args.merge])
+        except ValueError as err:
+            parser.error(str(err))
+        save(args.out, merged, report)
+        return
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
              "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"],
              "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
@@ -142,6 +166,13 @@ def main() -> None:
             handle.stop()
 
 
+def merged_from(record: dict) -> list[str]:
+    return [f"Merged from {len(record['merged_from'])} runs one after the other: " + "; ".join(
+        f"time scales {', '.join(f'{t:g}' for t in m['time_scales'])} at {m['date'][:16]} UTC, load average "
+        f"{m['device'].get('load_avg_start')} to {m['device'].get('load_avg_end')}" for m in record["merged_from"])
+        + "."] if record.get("merged_from") else []
+
+
 def report(record: dict) -> str:
     s, runs = record["setup"], record["runs"]
     lines = [f"# Multi-queue admission vs SGLang's fcfs and lpm, live CPU server ({record['date'][:10]})", "",
@@ -150,7 +181,7 @@ def report(record: dict) -> str:
              f"`--radix-cache-backend multilora`, {s['pool_tokens']} token slots, max rank {s['max_lora_rank']}, "
              f"`--max-loras-per-batch {s.get('max_loras_per_batch', 8)}`; TTFT SLO {s['slo_s']} s; arms "
              f"{ {a: ' '.join(f) for a, f in s['arms'].items()} }; {s['repeats']} repeats, arms rotating. "
-             f"Machine: {record['device']}.", "",
+             f"Machine: {record['device']}.", *merged_from(record), "",
              "| rate (req/s) | arm | mean TTFT s | P50 TTFT s (min-max) | P99 TTFT s (min-max) | within SLO | "
              "SLO goodput req/s | mean E2E s | failed |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -192,6 +223,7 @@ def report(record: dict) -> str:
                     lines.append("- time scale {:g}: ".format(scale) + ", ".join(
                         f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items() if v))
     lines += max_rate_lines(record)
+    lines += light_load_lines(record)
     stats = record.get("multiqueue_stats_at_end") or {}
     if stats:
         counts = stats.get("counts", {})
@@ -202,12 +234,35 @@ def report(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def max_rate_lines(record: dict) -> list[str]:
-    """Each arm's max rate under the TTFT SLO, with the simulator's definition (eval/sim/sched_compare.py): an arm
-    sustains a rate when the median over repeats of its P99 TTFT is within the SLO; its max rate is the highest swept
-    rate up to which it sustains every swept rate, interpolated linearly in P99 to the next swept rate. The ratio to
-    each baseline is of those rates (interpolated where both are)."""
+PAPER_SLO_FACTOR = 5.0
+
+
+def light_load_slo(record: dict) -> tuple[str, float, float, float] | None:
+    """Chameleon's SLO rule, 5x the mean request execution time on a lightly loaded system, read as 5x the first
+    baseline arm's mean TTFT (median over repeats) at the lowest swept rate: (that arm, that rate, that mean, the
+    SLO); None
+    when the record has no baseline arm, or when the baseline missed the record's own SLO there for any request
+    (then the lowest rate is no light load)."""
     s, runs = record["setup"], record["runs"]
+    base = next((a for a in s["arms"] if not a.startswith("multiqueue")), None)
+    cells = [r for r in runs if r["arm"] == base and r.get("num_ok")]
+    if not cells:
+        return None
+    rate = min(r["rate_req_s"] for r in cells)
+    low = [r for r in cells if r["rate_req_s"] == rate]
+    if any(r["within_slo"] < 1.0 for r in low):
+        return None
+    mean = statistics.median(r["mean_ttft_s"] for r in low)
+    return base, rate, mean, PAPER_SLO_FACTOR * mean
+
+
+def max_rate_lines(record: dict, slo_s: float | None = None) -> list[str]:
+    """Each arm's max rate under a TTFT SLO (the record's own unless `slo_s` is given), with the simulator's definition
+    (eval/sim/sched_compare.py): an arm sustains a rate when the median over repeats of its P99 TTFT is within the
+    SLO; its max rate is the highest swept rate up to which it sustains every swept rate, interpolated linearly in P99
+    to the next swept rate. The ratio to each baseline is of those rates (interpolated where both are)."""
+    s, runs = record["setup"], record["runs"]
+    slo_s = s["slo_s"] if slo_s is None else slo_s
     by_scale = {r["time_scale"]: r["rate_req_s"] for r in runs}
     rates = [by_scale[t] for t in s["time_scales"] if t in by_scale]
     if len(rates) < 2:
@@ -217,7 +272,7 @@ def max_rate_lines(record: dict) -> list[str]:
         if r.get("num_ok"):
             g.setdefault((r["rate_req_s"], r["arm"]), {})[r["repeat"]] = {"ttft_p99_s": r["p99_ttft_s"]}
     arms = [a for a in s["arms"] if all((rate, a) in g for rate in rates)]
-    found = {a: sched_report.max_rate(g, rates, a, s["slo_s"]) for a in arms}
+    found = {a: sched_report.max_rate(g, rates, a, slo_s) for a in arms}
 
     def said(best, crossing):
         if best is None:
@@ -226,7 +281,7 @@ def max_rate_lines(record: dict) -> list[str]:
             return f"at least {best:.2f} req/s (every swept rate)"
         return f"{best:.2f} req/s swept, {crossing:.2f} req/s interpolated"
 
-    lines = ["", f"Max rate under the TTFT SLO of {s['slo_s']:g} s (median P99 over repeats within it, swept "
+    lines = ["", f"Max rate under the TTFT SLO of {slo_s:.3g} s (median P99 over repeats within it, swept "
              f"{', '.join(f'{r:.2f}' for r in rates)} req/s):", ""]
     lines += [f"- {a}: {said(*found[a])}" for a in arms]
     ours_arms = [a for a in arms if a.startswith("multiqueue")]
@@ -241,6 +296,47 @@ def max_rate_lines(record: dict) -> list[str]:
                                       if oc is None else " (of swept rates)")
             lines.append(f"- {ours} / {base}: {ratio:.2f}x{bound}")
     return lines
+
+
+def light_load_lines(record: dict) -> list[str]:
+    """The max rates again under Chameleon's SLO rule (`light_load_slo`), or why that rule gives no SLO here."""
+    found = light_load_slo(record)
+    if found is None:
+        return ["", "Chameleon's SLO rule (5x the mean TTFT at light load) gives no SLO here: no baseline arm, or "
+                "the baseline's lowest swept rate already misses the record's SLO."]
+    base, rate, mean, slo = found
+    lines = max_rate_lines(record, slo)
+    if lines:
+        lines[1] = (f"Under Chameleon's SLO rule, {PAPER_SLO_FACTOR:g}x the mean TTFT at light load ({base}'s "
+                    f"{mean:.3f} s at {rate:.2f} req/s, the lowest swept rate), an SLO of {slo:.3g} s; the "
+                    f"scheduler's quotas stay sized for {record['setup']['slo_s']:g} s. " + lines[1])
+    return lines
+
+
+def last_record(path: Path) -> dict:
+    """The last record of a results file."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise SystemExit(f"{path}: no record")
+    return json.loads(lines[-1])
+
+
+def merge(records: list[dict]) -> dict:
+    """One record of several runs that differ only in their time scales (a sweep split into runs one after the
+    other): the runs together, the time scales in order, every run's date and machine kept. Raises ValueError when
+    anything else in their setups differs."""
+    first = records[0]["setup"]
+    for rec in records[1:]:
+        diff = sorted(k for k in set(first) | set(rec["setup"])
+                      if k not in ("time_scales",) and first.get(k) != rec["setup"].get(k))
+        if diff:
+            raise ValueError(f"runs differ in {diff}; only time scales may")
+    setup = {**first, "time_scales": sorted({t for rec in records for t in rec["setup"]["time_scales"]})}
+    return {"setup": setup, "device": records[0]["device"], "date": records[0]["date"],
+            "runs": [run for rec in records for run in rec["runs"]],
+            "merged_from": [{"date": rec["date"], "device": rec["device"],
+                             "time_scales": rec["setup"]["time_scales"]} for rec in records],
+            "multiqueue_stats_at_end": records[-1].get("multiqueue_stats_at_end")}
 
 
 if __name__ == "__main__":
