@@ -168,7 +168,7 @@ def main() -> None:
 
 def merged_from(record: dict) -> list[str]:
     return [f"Merged from {len(record['merged_from'])} runs one after the other: " + "; ".join(
-        f"time scales {', '.join(f'{t:g}' for t in m['time_scales'])} at {m['date'][:16]} UTC, load average "
+        f"time scales {', '.join(f'{t:g}' for t in m['time_scales'])} (ended {m['date'][:16]} UTC), load average "
         f"{m['device'].get('load_avg_start')} to {m['device'].get('load_avg_end')}" for m in record["merged_from"])
         + "."] if record.get("merged_from") else []
 
