@@ -227,7 +227,8 @@ def report(record: dict) -> str:
     stats = record.get("multiqueue_stats_at_end") or {}
     if stats:
         counts = stats.get("counts", {})
-        lines += ["", f"{ours_arms[0]}'s scheduler over the whole run: slot squashes {counts.get('slot_squashes')} "
+        whole = "the last of the merged runs" if record.get("merged_from") else "the whole run"
+        lines += ["", f"{ours_arms[0]}'s scheduler over {whole}: slot squashes {counts.get('slot_squashes')} "
                   f"({counts.get('slot_squashed')} requests retracted), memory squashes {counts.get('squashes')}, "
                   f"bypasses {counts.get('bypasses')}, overdue admissions {counts.get('overdue')}, "
                   f"predictor {stats.get('predictor')}."]
@@ -240,9 +241,8 @@ PAPER_SLO_FACTOR = 5.0
 def light_load_slo(record: dict) -> tuple[str, float, float, float] | None:
     """Chameleon's SLO rule, 5x the mean request execution time on a lightly loaded system, read as 5x the first
     baseline arm's mean TTFT (median over repeats) at the lowest swept rate: (that arm, that rate, that mean, the
-    SLO); None
-    when the record has no baseline arm, or when the baseline missed the record's own SLO there for any request
-    (then the lowest rate is no light load)."""
+    SLO); None when the record has no baseline arm, or when the baseline missed the record's own SLO there for any
+    request (then the lowest rate is no light load)."""
     s, runs = record["setup"], record["runs"]
     base = next((a for a in s["arms"] if not a.startswith("multiqueue")), None)
     cells = [r for r in runs if r["arm"] == base and r.get("num_ok")]
@@ -323,14 +323,19 @@ def last_record(path: Path) -> dict:
 
 def merge(records: list[dict]) -> dict:
     """One record of several runs that differ only in their time scales (a sweep split into runs one after the
-    other): the runs together, the time scales in order, every run's date and machine kept. Raises ValueError when
-    anything else in their setups differs."""
-    first = records[0]["setup"]
-    for rec in records[1:]:
+    other): the runs together, the time scales in order, every run's date and machine kept; the scheduler's counters
+    are the last run's. Raises ValueError when anything else in their setups differs, or when two runs share a time
+    scale."""
+    first, seen = records[0]["setup"], set()
+    for rec in records:
         diff = sorted(k for k in set(first) | set(rec["setup"])
-                      if k not in ("time_scales",) and first.get(k) != rec["setup"].get(k))
+                      if k != "time_scales" and first.get(k) != rec["setup"].get(k))
         if diff:
             raise ValueError(f"runs differ in {diff}; only time scales may")
+        shared = seen & set(rec["setup"]["time_scales"])
+        if shared:
+            raise ValueError(f"time scales {sorted(shared)} are in more than one run")
+        seen |= set(rec["setup"]["time_scales"])
     setup = {**first, "time_scales": sorted({t for rec in records for t in rec["setup"]["time_scales"]})}
     return {"setup": setup, "device": records[0]["device"], "date": records[0]["date"],
             "runs": [run for rec in records for run in rec["runs"]],

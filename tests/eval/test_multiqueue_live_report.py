@@ -78,6 +78,9 @@ def test_merge_joins_a_sweep_split_into_runs_and_refuses_other_differences():
     # fcfs: 1.5 at 2 req/s, 4.0 at 3: crosses 2 s at 2.2; multiqueue sustains every rate
     assert "- fcfs: 2.00 req/s swept, 2.20 req/s interpolated" in max_rate_lines(merged)
     assert "Merged from 2 runs" in report(merged)
+    assert "over the last of the merged runs" in report({**merged, "multiqueue_stats_at_end": {"counts": {}}})
     other = _record({"fcfs": [[4.0, 4.0]], "multiqueue": [[1.8, 1.8]]}, scales=(3.0,), slo_s=3.0)
     with pytest.raises(ValueError, match="slo_s"):
         merge([low, other])
+    with pytest.raises(ValueError, match=r"time scales \[2.0\] are in more than one run"):
+        merge([low, _record({"fcfs": [[4.0, 4.0]], "multiqueue": [[1.8, 1.8]]}, scales=(2.0,))])
