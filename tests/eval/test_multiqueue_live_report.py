@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.bench.multiqueue_live import light_load_lines, light_load_slo, max_rate_lines, merge, report
+from eval.bench.multiqueue_live import light_load_lines, light_load_slo, max_rate_lines, merge, p50_floor_lines, report
 
 
 def _record(p99: dict[str, list[list[float]]], slo_s: float = 2.0, scales=(1.0, 2.0, 3.0), mean_ttft_s: float = 1.0,
@@ -84,3 +84,18 @@ def test_merge_joins_a_sweep_split_into_runs_and_refuses_other_differences():
         merge([low, other])
     with pytest.raises(ValueError, match=r"time scales \[2.0\] are in more than one run"):
         merge([low, _record({"fcfs": [[4.0, 4.0]], "multiqueue": [[1.8, 1.8]]}, scales=(2.0,))])
+
+
+def test_the_p50_floor_is_the_light_load_median_over_the_baselines_median_where_it_misses_the_slo():
+    record = _record({"fcfs": [[1.0, 1.0], [3.0, 5.0], [9.0, 9.0]], "multiqueue": [[1.0, 1.0], [1.0, 1.5], [1.9, 1.0]]})
+    p50 = {("fcfs", 1.0): [0.6, 0.8], ("multiqueue", 1.0): [0.5, 0.9], ("fcfs", 2.0): [1.2, 1.6],
+           ("fcfs", 3.0): [2.0, 2.0], ("multiqueue", 2.0): [0.7, 0.7], ("multiqueue", 3.0): [0.8, 0.8]}
+    for r in record["runs"]:
+        r["p50_ttft_s"] = p50[r["arm"], r["rate_req_s"]][r["repeat"]]
+    # light-load medians 0.7 (both arms); fcfs misses 2 s at 2 and 3 req/s (medians 4.0, 9.0), P50 medians 1.4, 2.0
+    (line,) = [x for x in p50_floor_lines(record) if x]
+    assert line.startswith("P50 TTFT at light load: 0.70 s (the lowest arm's median at 1.00 req/s)")
+    assert line.endswith("reach is about 0.50 at 2.00 req/s, 0.35 at 3.00 req/s.")
+    assert line in report(record)
+    # no baseline rate past the SLO: no floor to give
+    assert p50_floor_lines(_record({"fcfs": [[1.0, 1.0]], "multiqueue": [[1.0, 1.0]]}, scales=(1.0,))) == []
