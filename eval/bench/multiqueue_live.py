@@ -122,13 +122,13 @@ def main() -> None:
               "--max-lora-rank",
               str(max_rank), "--radix-cache-backend", "multilora", "--multilora-ttft-slo-s", str(args.slo_s),
               "--multilora-requeue-s", "10"]
-    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir = REPO / ".cache" / "bench_logs"  # a log per output file and arm: a later run keeps this run's logs
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
         for name, extra in arms.items():
             servers[name] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *common, *extra],
-                                   log_path=log_dir / f"multiqueue_live_{name}.log")
+                                   log_path=log_dir / f"{args.out.stem}_{name}.log")
         served = [ServedAdapter(a.name) for a in workload.adapters]
         scales = [float(s) for s in args.time_scales.split(",")]
         setup = {"workload": "heterogeneous", "params": params, "num_requests": len(workload.requests),

@@ -200,13 +200,13 @@ def main() -> None:
         except ValueError as exc:
             parser.error(str(exc))
     arms = {name: (tokens, [*common, *extra]) for name, (tokens, extra) in arms.items()}
-    log_dir = REPO / ".cache" / "bench_logs"
+    log_dir = REPO / ".cache" / "bench_logs"  # a log per output file and arm: a later run keeps this run's logs
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
         for name, (tokens, extra) in arms.items():
             servers[name] = launch(model, [*cpu_server_args(max_total_tokens=tokens), *extra],
-                                   log_path=log_dir / f"unified_memory_{name}.log")
+                                   log_path=log_dir / f"{args.out.stem}_{name}.log")
         served = [ServedAdapter(a.name) for a in workload.adapters]
         scales = [float(s) for s in args.time_scales.split(",")]
         setup = {"workload": args.workload, "params": {k: list(v) if isinstance(v, tuple) else v
