@@ -79,6 +79,9 @@ class MultiLoRAArgs:
     # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
     # starts a slot drain (0: never, the default: see --help).
     slot_drain_share: float = 0.0
+    # multiqueue with the unified pool: a request whose adapter has not fitted for this share of the TTFT SLO holds
+    # admission until it does (0: never).
+    memory_hold_share: float = 0.5
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -339,6 +342,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
         "does); it serves what no slot squash does, such as a retracted request resuming. 0 (the default): never; "
         "1 bounds a retracted request's wait, at the cost of the drained adapter's new requests' first tokens.",
+    )
+    group.add_argument(
+        "--multilora-memory-hold-share",
+        type=_non_negative_float,
+        default=MultiLoRAArgs.memory_hold_share,
+        metavar="SHARE",
+        help="multiqueue with the unified pool: once a request's adapter has not fitted in memory (even after "
+        "evicting every idle adapter) for this share of --multilora-ttft-slo-s, no other request is admitted until "
+        "it is, so that what the running requests free goes to its adapter rather than to other queues' requests. "
+        "0: never (the published algorithm, under which a steady stream into another queue can keep it out).",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -107,8 +107,10 @@ class BatchContext:
 class Stop:
     """Why a queue's scan admitted nothing past `rid`: "quota" (its cost over the quota left),
     "budget" (over the batch budget left), "lookahead" (too many non-resident adapters passed) or
-    "bypass" (T_wait of the memory-blocked request ahead not above its T_exec). `cost` and `limit`:
-    the request's cost and the tokens left (0 for lookahead and bypass)."""
+    "bypass" (T_wait of the memory-blocked request ahead not above its T_exec); and, for the
+    batch-wide holds of multiqueue.py, "overdue_hold" and "memory_hold" (the queue of the request
+    that holds the batch). `cost` and `limit`: the request's cost and the tokens left (0 for
+    lookahead, bypass and a memory hold)."""
 
     reason: str
     rid: str
@@ -126,6 +128,8 @@ class ScanResult:
     """The request that fitted the quota but not the budget, if the scan stopped there."""
     stop: Stop | None = None
     """Why the scan stopped before the queue's end (None: it reached the end)."""
+    memory_blocked: list[SchedRequest] = field(default_factory=list)
+    """Requests passed over because their adapter cannot fit even after evicting every idle one."""
 
 
 @dataclass(frozen=True)
@@ -165,9 +169,11 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
             out.stop = Stop("budget", r.rid, cost, ctx.budget)
             break
         if not ctx.resident(r.adapter) and not ctx.fetch(r):
-            if ctx.memory_blocked(r.adapter) and blocker is None:
-                blocker = r
-                t_wait = predict_wait_s(r, running, ctx.now, timing)
+            if ctx.memory_blocked(r.adapter):
+                out.memory_blocked.append(r)
+                if blocker is None:
+                    blocker = r
+                    t_wait = predict_wait_s(r, running, ctx.now, timing)
             passed += 1
             ctx.not_resident += 1
             if passed > lookahead:

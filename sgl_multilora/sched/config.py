@@ -84,6 +84,16 @@ class SchedConfig:
     2.69 req/s, SLO goodput 1.70 against 2.33 req/s
     (eval/results/multiqueue_live_rates_maxrate_seed1_draincost.md). Set it above
     `slot_squash_share` so that a fresh request is squashed for first, which costs it less."""
+    memory_hold_share: float = 0.5
+    """A queued request whose adapter could not be made resident even after evicting every idle
+    adapter (memory-blocked), this share of the TTFT SLO ago, holds the batch: it goes first, and
+    until it is admitted the batch takes nothing else while anything runs, so that the memory the
+    running requests free builds up for its adapter instead of going to requests of other queues
+    (multiqueue.py). Without it, a stream into another queue that re-admits every freed token
+    starves the request for good: the bypass and squash rules act within one queue, and a
+    promoted queue gains nothing when memory, not the budget, keeps its head out
+    (tests/unit/test_sched_starvation.py). Half the SLO, as `slot_squash_share`: the rest is left
+    for the drain and the prefill. math.inf: never hold (the published algorithm)."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -103,6 +113,7 @@ class SchedConfig:
             "0 <= slot_squash_share <= 1": 0 <= self.slot_squash_share <= 1,
             "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
             "slot_drain_share >= 0": self.slot_drain_share >= 0,
+            "memory_hold_share >= 0": self.memory_hold_share >= 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

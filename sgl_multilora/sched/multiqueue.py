@@ -6,6 +6,15 @@ SGLang's objects, one queue's admission rules (admission.py) or the fitting of c
 quotas (plan.py).
 
 Each `build_batch` (reference/seed-chameleon.md, 4.3):
+- Memory hold (not in the paper; `config.memory_hold_share`): the request memory-blocked longest
+  (its adapter could not be made resident even after evicting every idle adapter), once that is
+  `memory_hold_share` of the TTFT SLO ago, goes first: admitted alone if its adapter can be made
+  resident now, its slot is free and its cost fits the budget; else, while anything runs, the
+  batch takes nothing, so that what the running requests free builds up for it. It ends the batch
+  either way (the adapter's load took room the budget still counts). Without it a stream into
+  another queue that re-admits every freed token keeps the request out for good: the bypass and
+  squash rules act within its queue, and promoting its queue wins nothing when memory, not the
+  budget, stops it.
 - Phase 0, only with `config.overdue_s` set (not in the paper): requests queued that long go
   first, oldest first across queues, each charged to its own queue whatever its quota. If the
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
@@ -38,7 +47,9 @@ within one refresh period, let r head its queue with its adapter resident, and l
 available quota cover r's cost (or nothing of the queue run). Nothing else can take that quota
 (lending needs an empty queue, and nothing behind r passes it), so this stays true, and r is
 admitted by the first `build_batch` when no budget is given, or within `max_budget_skips + K`
-calls when every budget covers the largest queued cost.
+calls when every budget covers the largest queued cost. A memory-blocked r, from
+`memory_hold_share` of the SLO after it was first found so, waits only for the requests
+memory-blocked before it and for what runs to free its adapter's room (at worst, to finish).
 """
 
 from __future__ import annotations
@@ -93,10 +104,12 @@ class MultiQueueScheduler:
         self._drain: SlotDrain | None = None
         self._slot_wait_floor = math.inf  # no queued request has waited for a slot since before this
         self._window_counts: dict[str | None, int] = {}  # adapter -> its requests in the window
+        self._memory_blocked: dict[str, SchedRequest] = {}  # queued requests found memory-blocked
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
                        "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
-                       "slot_skips": 0, "slot_drains": 0, "stops_quota": 0, "stops_budget": 0,
-                       "stops_lookahead": 0, "stops_bypass": 0, "stops_overdue_hold": 0}
+                       "slot_skips": 0, "slot_drains": 0, "memory_holds": 0, "stops_quota": 0,
+                       "stops_budget": 0, "stops_lookahead": 0, "stops_bypass": 0,
+                       "stops_overdue_hold": 0, "stops_memory_hold": 0}
         self.last_stops: dict[int, Stop] = {}
         """Queue -> why the last batch admitted nothing more from it (queues it drained are absent)."""
         self.last_passes = {"slot": 0, "not_resident": 0}
@@ -129,6 +142,7 @@ class MultiQueueScheduler:
         """Takes a queued request out (abort, adapter unloaded); None if it is not queued."""
         r = self.queues.pop(rid)
         if r is not None:
+            self._memory_blocked.pop(rid, None)
             self.bypass.forget(rid)
             self._clear_skip(r)
             if rid == self._slot_reserved:
@@ -165,6 +179,10 @@ class MultiQueueScheduler:
             self.counts["slot_squashed" if slot_squash else "squashes"] += 1
         q = self.plan.route(r.wrs)
         self.queues.push_in_order(r, q)
+        if pushed_back and r.memory_blocked_since is not None:
+            self._memory_blocked[r.rid] = r  # still the request the memory hold waits for
+        elif not pushed_back:
+            r.memory_blocked_since = None  # it ran: a new wait starts
         if pushed_back:
             self.counts["pushed_back"] += 1
             r.num_pushbacks += 1
@@ -209,7 +227,7 @@ class MultiQueueScheduler:
                                  None if drain is None else drain.beneficiary)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
         batch: list[SchedRequest] = []
-        held = self._admit_overdue(ctx, batch)
+        held = self._memory_hold(ctx, batch) or self._admit_overdue(ctx, batch)
         self.counts["slot_skips"] += ctx.slot_skips
         if held:
             self._end_batch(ctx)
@@ -240,6 +258,36 @@ class MultiQueueScheduler:
         self._slot_reserved = None
         self._num_batches += 1
 
+    def _memory_hold(self, ctx: BatchContext, batch: list[SchedRequest]) -> bool:
+        """The memory hold (module docstring): True when the batch ends here, with the request
+        memory-blocked longest admitted or held for. False when no request has been memory-blocked
+        `memory_hold_share` of the SLO, or when it cannot go in and nothing runs (waiting then
+        frees nothing; the phases below go on, and the next batch asks again)."""
+        if not self._memory_blocked:
+            return False
+        r = min(self._memory_blocked.values(), key=lambda r: (r.memory_blocked_since, r.seq))
+        if ctx.now - r.memory_blocked_since < self.config.memory_hold_share * self.config.ttft_slo_s:
+            return False
+        fits = ctx.budget is None or r.cost_tokens <= ctx.budget or not self._running
+        if ctx.has_slot(r) and (ctx.resident(r.adapter) or ctx.fetch(r)) and fits:
+            ctx.take_slot(r)
+            r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
+            if ctx.budget is not None:
+                ctx.budget -= r.cost_tokens
+            self._start(r, ctx.now)
+            batch.append(r)
+            return True
+        if not self._running:
+            return False
+        self.last_stops[r.queue] = Stop("memory_hold", r.rid, r.cost_tokens, 0)
+        self.counts["memory_holds"] += 1
+        return True
+
+    def _note_memory_blocked(self, r: SchedRequest, now: float) -> None:
+        if r.memory_blocked_since is None:
+            r.memory_blocked_since = now
+        self._memory_blocked[r.rid] = r
+
     def _admit_overdue(self, ctx: BatchContext, batch: list[SchedRequest]) -> bool:
         """Phase 0: overdue requests (queued `config.overdue_s` or longer), oldest first across
         queues, each charged to its own queue whatever its quota says. One whose adapter is not
@@ -266,6 +314,8 @@ class MultiQueueScheduler:
             if not ctx.has_slot(r):
                 continue  # passed over, spending no lookahead: slots free as adapters drain
             if not ctx.resident(r.adapter) and not ctx.fetch(r):
+                if ctx.memory_blocked(r.adapter):
+                    self._note_memory_blocked(r, ctx.now)
                 passed += 1
                 ctx.not_resident += 1
                 if passed > self.config.lookahead:
@@ -297,6 +347,8 @@ class MultiQueueScheduler:
             self.last_stops.pop(q, None)  # phase 2 got past its phase-1 stop
         if result.budget_stop is not None and lenders is None:
             self._note_budget_skip(q, result.budget_stop)
+        for r in result.memory_blocked:
+            self._note_memory_blocked(r, ctx.now)
         for r in result.admitted:
             self._start(r, ctx.now)
             batch.append(r)
@@ -306,6 +358,7 @@ class MultiQueueScheduler:
 
     def _start(self, r: SchedRequest, now: float) -> None:
         self.queues.pop(r.rid)
+        self._memory_blocked.pop(r.rid, None)  # its `memory_blocked_since` stays for a push-back
         if r.rid == self._slot_reserved:
             self._slot_reserved = None
         if self._drain is not None and r.rid == self._drain.beneficiary:
@@ -555,6 +608,9 @@ class MultiQueueScheduler:
         for q in range(k):
             for r in self.queues.scan(q):
                 assert self.plan.route(r.wrs) == q, f"{r} sits in the wrong queue"
+        for rid, r in self._memory_blocked.items():
+            assert self.queues.get(rid) is r and r.memory_blocked_since is not None, \
+                f"{rid} memory-blocked but not queued"
         for rid, r in self._running.items():
             assert rid not in self.queues, f"{rid} both queued and running"
             assert r.admitted_at is not None and 0 <= r.queue < k, f"{r} running but not admitted"

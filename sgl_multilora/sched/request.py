@@ -56,6 +56,10 @@ class SchedRequest:
     slot_wait_since: float | None = None
     """When a batch first passed it over for want of an adapter slot since it was last queued
     (None: not waiting for one); a slot drain starts for it after `slot_drain_share` of the SLO."""
+    memory_blocked_since: float | None = None
+    """When a batch first found its adapter memory-blocked (it could not be made resident even
+    after evicting every idle adapter) since it was last queued by a squash or a retraction; it
+    holds the batch `memory_hold_share` of the SLO later (multiqueue.py)."""
 
     @property
     def new_len(self) -> int:

@@ -40,6 +40,7 @@ class SchedStats:
     """Since start: admitted, finished, bypasses, squashes (requests retracted for adapter
     memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
-    count in many batches), refreshes, pushed_back, overdue, and stops_<reason> (batches in which
-    a queue's scan stopped at a request it could not admit: quota, budget, lookahead, bypass, or
-    overdue_hold; one per queue and batch)."""
+    count in many batches), refreshes, pushed_back, overdue, memory_holds (batches that took
+    nothing while a memory-blocked request waited for room: multiqueue.py), and stops_<reason>
+    (batches in which a queue's scan stopped at a request it could not admit: quota, budget,
+    lookahead, bypass, overdue_hold or memory_hold; one per queue and batch)."""

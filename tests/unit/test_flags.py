@@ -93,6 +93,11 @@ def test_memory_flags(monkeypatch):
     assert flags.pop_from_namespace(ns).slot_drain_share == 1.0
     with pytest.raises(SystemExit):
         parser().parse_args(["--multilora-slot-drain-share", "-1"])
+    assert flags.MultiLoRAArgs().memory_hold_share == 0.5
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-memory-hold-share", "0"])
+    assert flags.pop_from_namespace(ns).memory_hold_share == 0.0
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--multilora-memory-hold-share", "-0.5"])
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:

@@ -201,3 +201,63 @@ def test_with_overdue_s_every_wait_is_bounded_by_the_overdue_requests_ahead(patt
         late = [rid for rid, d in deadline.items() if d <= it]
         assert not late, f"overdue requests {late} still queued at batch {it}"
         s.check_invariants()
+
+
+def memory_blocked_run(**kw) -> tuple[MultiQueueScheduler, int | None, float | None]:
+    """A request whose adapter cannot be made resident (memory full of running requests) heads the middle queue,
+    while small base-model requests stream into the smallest queue, four a batch, each running three batches:
+    1200 of the pool's 1300 tokens, 800 at the start of a batch, below the adapter's 700 plus what the stream
+    re-admits. The engine, as SGLang's pass, takes the plan in order while it fits (a load the plan asked for may
+    take the room the budget counted). Returns the scheduler, the batch that admitted the request (None: never
+    in 40) and when a batch first found it memory-blocked."""
+    pool, adapter_size, lasts = 1300, 700, 3
+    s = make(PLANS[0], **kw)  # q0: size < 200, q1: 200-600
+    resident: set[str] = set()
+    running: dict[str, tuple[int, int]] = {}  # rid -> (tokens held, batch it finishes)
+
+    def free() -> int:
+        return pool - sum(c for c, _ in running.values()) - adapter_size * len(resident)
+
+    def prefetch(adapter: str) -> bool:
+        if free() < adapter_size:
+            return False
+        resident.add(adapter)
+        return True
+
+    blocked_since = None
+    for it in range(40):
+        for rid in [rid for rid, (_, end) in running.items() if end == it]:
+            s.on_finish(rid, float(it))
+            del running[rid]
+        if it == 5:
+            s.add(request("blocked", 400, adapter="big", arrival=float(it)))
+        for j in range(4):
+            s.add(SchedRequest(f"{it}.{j}", None, in_len=50, max_new_tokens=50, arrival=float(it)))
+        for r in s.build_batch(float(it), free(), resident.__contains__, prefetch):
+            if r.cost_tokens > free():
+                s.requeue(r.rid, pushed_back=True)
+                continue
+            running[r.rid] = (r.cost_tokens, it + lasts)
+            if r.rid == "blocked":
+                return s, it, blocked_since
+        queued = s.queues.get("blocked")
+        if queued is not None and blocked_since is None:
+            blocked_since = queued.memory_blocked_since
+        assert free() >= 0
+        s.check_invariants()
+    return s, None, blocked_since
+
+
+def test_a_memory_blocked_request_is_not_starved_by_another_queues_stream():
+    """Every finish frees 100 tokens and every batch re-admits them to the stream, so room for the adapter never
+    builds up: without the memory hold the request waits forever (bypass and squash act within one queue, and
+    its queue's promotion after budget stops gains nothing once memory is what keeps it out). With it, from
+    `memory_hold_share` of the SLO after it was first found memory-blocked, the batch takes nothing else, the
+    stream's requests drain, the adapter loads and the request goes in."""
+    s, admitted_at, since = memory_blocked_run(memory_hold_share=math.inf)
+    assert admitted_at is None and since is not None, "the scenario does not starve without the hold"
+    s, admitted_at, since = memory_blocked_run()
+    assert admitted_at is not None, "the memory-blocked request starved"
+    hold_from = math.ceil(since + s.config.memory_hold_share * s.config.ttft_slo_s)
+    assert admitted_at <= hold_from + 3, (since, admitted_at)  # one batch per drained finish, at most `lasts`
+    assert s.counts["memory_holds"] >= 1 and s.counts["stops_memory_hold"] == s.counts["memory_holds"]
