@@ -261,3 +261,82 @@ def test_a_memory_blocked_request_is_not_starved_by_another_queues_stream():
     hold_from = math.ceil(since + s.config.memory_hold_share * s.config.ttft_slo_s)
     assert admitted_at <= hold_from + 3, (since, admitted_at)  # one batch per drained finish, at most `lasts`
     assert s.counts["memory_holds"] >= 1 and s.counts["stops_memory_hold"] == s.counts["memory_holds"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(plan=st.sampled_from(PLANS),
+       stream=st.lists(st.integers(1, 5), min_size=NUM_ITERS, max_size=NUM_ITERS),
+       large=st.lists(st.tuples(st.integers(0, NUM_ITERS - 1), st.sampled_from("xyz"), st.integers(*MEDIUM)),
+                      max_size=6),
+       durations=st.lists(st.integers(1, 6), min_size=1, max_size=8))
+def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, stream, large, durations):
+    """Adversarial streams against adapters that need most of the pool: every batch a burst of small base-model
+    requests, and now and then a request on one of three adapters of 500-700 tokens in a pool of 1300 (each fits
+    with its request when little else runs, none beside another). The pool evicts idle adapters (none that a
+    running request uses, nor one it loaded for this batch's plan) to load one or to make room for a request,
+    and the budget counts them as free, as SGLang's evictable memory does; the engine takes the plan in order
+    while each request fits and its adapter is resident, and pushes back the rest. Bound: a request that
+    holds the batch (memory-blocked `memory_hold_share` of the SLO ago, the oldest such) is admitted within the
+    longest run of a request plus two batches (a push-back when its load took the room its budget counted)."""
+    pool, sizes = 1300, {"x": 500, "y": 600, "z": 700}
+    s = make(plan)
+    hold_after = s.config.memory_hold_share * s.config.ttft_slo_s
+    resident: dict[str, int] = {}  # adapter -> size
+    running: dict[str, tuple[SchedRequest, int]] = {}  # rid -> (request, batch it finishes)
+    pinned: set[str] = set()
+
+    def free() -> int:
+        return pool - sum(r.cost_tokens for r, _ in running.values()) - sum(resident.values())
+
+    def idle() -> list[str]:
+        busy = {r.adapter for r, _ in running.values()} | pinned
+        return [a for a in resident if a not in busy]
+
+    def make_room(tokens: int) -> bool:
+        for a in idle():
+            if free() >= tokens:
+                break
+            del resident[a]
+        return free() >= tokens
+
+    def prefetch(adapter: str) -> bool:
+        if not make_room(sizes[adapter]):
+            return False
+        resident[adapter] = sizes[adapter]
+        pinned.add(adapter)
+        return True
+
+    bound = max(durations) + 2
+    target_since: dict[str, int] = {}
+    n = 0
+    for it in range(3 * NUM_ITERS):
+        for rid in [rid for rid, (_, end) in running.items() if end == it]:
+            s.on_finish(rid, float(it))
+            del running[rid]
+        if it < NUM_ITERS:
+            for j in range(stream[it]):
+                s.add(SchedRequest(f"{it}.{j}", None, in_len=40, max_new_tokens=40, arrival=float(it)))
+            for k, (at, adapter, size) in enumerate(large):
+                if at == it:
+                    s.add(request(f"{it}.{adapter}{k}", size, adapter=adapter, arrival=float(it)))
+        blocked = [r for q in range(s.queues.num_queues) for r in s.queues.scan(q)
+                   if r.memory_blocked_since is not None and it - r.memory_blocked_since >= hold_after]
+        if blocked:
+            target_since.setdefault(min(blocked, key=lambda r: (r.memory_blocked_since, r.seq)).rid, it)
+        pinned.clear()
+        budget = free() + sum(resident[a] for a in idle())
+        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch):
+            pinned.add(r.adapter)
+            if (r.adapter is not None and r.adapter not in resident) or not make_room(r.cost_tokens):
+                s.requeue(r.rid, pushed_back=True)
+                continue
+            running[r.rid] = (r, it + durations[n % len(durations)])
+            n += 1
+            if r.rid in target_since:
+                waited = it - target_since.pop(r.rid)
+                assert waited <= bound, f"{r.rid} held the batch {waited} batches before it went in"
+        assert free() >= 0
+        late = {rid: since for rid, since in target_since.items() if it - since >= bound}
+        assert not late, f"holding since {late}, still queued at batch {it}"
+        s.check_invariants()
+    assert not len(s.queues) and not running, "work left after the arrivals stopped"
