@@ -10,12 +10,13 @@ setup:
 demo: setup
 	$(PY) -m eval.demo
 
+# Two pytest-xdist workers, each with half the CPUs (tests/conftest.py): a module runs on one worker whole.
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n 2
 
 # Unit and integration tests only (no server start).
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not e2e"
+	$(PY) -m pytest -q -ra -n 2 -m "not e2e"
 
 # Retrain the bundled adapters (minutes on 2 cores); the results are committed in assets/adapters/.
 adapters: setup

@@ -16,12 +16,50 @@ REPO = Path(__file__).resolve().parents[1]
 ADAPTERS_DIR = Path(os.environ.get("MULTILORA_TEST_ADAPTERS_DIR", REPO / "assets" / "adapters"))
 
 
+SHARED_SERVER_MODULES = {"test_multi_lora_serving", "test_frontend_dsl", "test_lora_tree", "test_ingress", "test_live"}
+"""Modules on the session's shared servers (`lora_server`, `tree_server`): one pytest-xdist worker runs them all, so
+each server starts once."""
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker gets a share of the CPUs of its own, its servers too (they inherit the affinity and
+    OMP_NUM_THREADS): with two workers on two cores, two servers of two threads each spun on each other's cores and
+    ran slower together than one after the other."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is None or count < 2 or len(cores) < count:
+        return
+    import torch
+
+    index = int(worker.removeprefix("gw"))
+    share = set(cores[index * len(cores) // count:(index + 1) * len(cores) // count])
+    os.sched_setaffinity(0, share)
+    os.environ["OMP_NUM_THREADS"] = str(len(share))
+    torch.set_num_threads(len(share))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """A run where too many oracle comparisons ended early at a near tie fails (see tests/oracle.py)."""
+    """A run where too many oracle comparisons ended early at a near tie fails (see tests/oracle.py). A pytest-xdist
+    worker hands its counts to the controller, which adds them up (`pytest_testnodedown`) and decides."""
+    import dataclasses
+
     from tests.oracle import STATS
 
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["oracle_stats"] = dataclasses.asdict(STATS)
+        return
     if STATS.too_many_early() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_testnodedown(node, error):
+    """pytest-xdist (controller): a worker finished; its oracle counts join the run's."""
+    from tests.oracle import STATS
+
+    stats = getattr(node, "workeroutput", {}).get("oracle_stats")
+    if stats is not None:
+        STATS.merge(stats)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -38,7 +76,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             "choose prompts whose greedy outputs have no near ties", red=True)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test` runs `-n 2`) each module goes to one worker whole (its module-scoped server
+    starts once), and the modules on the shared servers go to one worker together (each shared server starts once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "shared servers" if Path(path).stem in SHARED_SERVER_MODULES else path
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped without a GPU."""
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items):
     import torch
 
     if torch.cuda.is_available():

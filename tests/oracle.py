@@ -106,6 +106,15 @@ class OracleStats:
                 f"(tokens), {self.max_top_diff:.1e} (top-{TOP_K}), tolerance {LOGPROB_ATOL:.0e}; PEFT computed for "
                 f"{self.peft_seconds:.0f} s")
 
+    def merge(self, other: dict) -> None:
+        """Adds another process's counts (`dataclasses.asdict` of its stats: a pytest-xdist worker's)."""
+        self.num_comparisons += other["num_comparisons"]
+        self.num_tokens += other["num_tokens"]
+        self.early += other["early"]
+        self.max_logprob_diff = max(self.max_logprob_diff, other["max_logprob_diff"])
+        self.max_top_diff = max(self.max_top_diff, other["max_top_diff"])
+        self.peft_seconds += other["peft_seconds"]
+
     def too_many_early(self) -> bool:
         return len(self.early) > MAX_EARLY_SHARE * self.num_comparisons
 
