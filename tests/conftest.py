@@ -79,8 +79,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`make test` runs `-n 2`) each module goes to one worker whole (its module-scoped server
-    starts once), and the modules on the shared servers go to one worker together (each shared server starts once)."""
+    starts once), and the modules on the shared servers go to one worker together (each shared server starts once).
+    In collection order, not xdist's default of the most tests first: the end-to-end modules (`tests/e2e/` collects
+    first), each minutes long with few tests, start early, and the hundreds of short unit tests fill the end."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
