@@ -270,12 +270,7 @@ class MultiQueueScheduler:
             return False
         fits = ctx.budget is None or r.cost_tokens <= ctx.budget or not self._running
         if ctx.has_slot(r) and (ctx.resident(r.adapter) or ctx.fetch(r)) and fits:
-            ctx.take_slot(r)
-            r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
-            if ctx.budget is not None:
-                ctx.budget -= r.cost_tokens
-            self._start(r, ctx.now)
-            batch.append(r)
+            self._admit_to_own_queue(r, ctx, batch)
             return True
         if not self._running:
             return False
@@ -324,14 +319,19 @@ class MultiQueueScheduler:
             if ctx.budget is not None and r.cost_tokens > ctx.budget and (self._running or batch):
                 self.last_stops[r.queue] = Stop("overdue_hold", r.rid, r.cost_tokens, ctx.budget)
                 return True  # nothing running and still too big: it goes in, the engine has all it will have
-            ctx.take_slot(r)
-            r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
-            if ctx.budget is not None:
-                ctx.budget -= r.cost_tokens
-            self._start(r, ctx.now)
-            batch.append(r)
+            self._admit_to_own_queue(r, ctx, batch)
             self.counts["overdue"] += 1
         return False
+
+    def _admit_to_own_queue(self, r: SchedRequest, ctx: BatchContext,
+                            batch: list[SchedRequest]) -> None:
+        """Admits r charged wholly to its own queue, whatever its quota says (the holds)."""
+        ctx.take_slot(r)
+        r.charges = [(r.queue, r.cost_tokens)] if r.cost_tokens else []
+        if ctx.budget is not None:
+            ctx.budget -= r.cost_tokens
+        self._start(r, ctx.now)
+        batch.append(r)
 
     def _scan(self, q: int, ctx: BatchContext, batch: list[SchedRequest],
               lenders: list[list[int]] | None) -> None:
