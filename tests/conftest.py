@@ -96,10 +96,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests are skipped without a GPU."""
-    _skip_gpu_tests(items)
-
-
-def _skip_gpu_tests(items):
     import torch
 
     if torch.cuda.is_available():
