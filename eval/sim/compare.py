@@ -5,18 +5,19 @@ Lives here: the sweep and its result files. Not here: the report's text (`compar
 
 Writes (all figures simulated):
 - `<out>_runs.jsonl`: one record per (adapter count, rate, arm): setup, summary, memory by kind every 5 s;
-- `<out>.jsonl`: `RequestResult` lines of the main arms at the highest rate ours sustains, for
+- `<out>.jsonl`: `RequestResult` lines of the main arms at the highest rate ours sustains (first seed), for
   eval/live/report.py (extra: request_rate, kind, hits, invalid_kv_share, memory_bytes at memory_t_s);
 - `<out>.md`: the tables, our figures beside ELORA's published ones and the conclusions computed
-  from the runs (`compare_report.py`, `findings.py`); `--markdown-only` rewrites it from
-  `<out>_runs.jsonl`.
+  from the runs (`compare_report.py`, `findings.py`); `<out>.png`: mean TTFT against the rate per arm (median
+  over the seeds, their range as a band); `--markdown-only` rewrites both from `<out>_runs.jsonl`.
 
 Ours and its ablations have ELORA's host KV tier (sgl_multilora/host_tier.py, `--host-kv-gb`, default 128 GB),
 and so does `sglang:hicache` (stock SGLang with its hierarchical cache, the same budget); the arm
 `ours:elora:no-host-kv` (swept at every rate) is ours without it. `--host-kv-gb 0` turns the tier off in every
 arm.
 
-Usage: .venv/bin/python -m eval.sim.compare [--num-adapters 20,100] [--rates 4,8,12,16] [--out PREFIX]
+Usage: .venv/bin/python -m eval.sim.compare [--num-adapters 20,100] [--rates 4,8,12,16] [--seeds 0,1,2]
+       [--out PREFIX]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eval.sim.compare_report import markdown
+from eval.sim.compare_report import markdown, plot
 from eval.sim.engine import SimConfig, SimRun, simulate
 from eval.sim.findings import by_setting, peak_rate
 from eval.sim.hostkv import HOST_KV_BYTES
@@ -51,13 +52,13 @@ ABLATION_ARMS = ("ours:lru", "ours:chameleon", "ours:elora:no-tree", "ours:elora
                  "ours:elora:tau=60", "ours:elora:no-prefetch", "ours:elora:host-kv=32")
 
 
-def workload(num_adapters: int, rate: float, args: argparse.Namespace):
-    """The chatbot workload (eval/workloads/chatbot.py) at `rate` new conversations per second for
-    `args.window_s` seconds, its adapters targeting every linear layer."""
+def workload(num_adapters: int, rate: float, args: argparse.Namespace, seed: int = 0):
+    """The chatbot workload (eval/workloads/chatbot.py, seeded by `seed`) at `rate` new conversations
+    per second for `args.window_s` seconds, its adapters targeting every linear layer."""
     params = ChatbotParams(num_conversations=max(1, round(rate * args.window_s)), num_adapters=num_adapters,
                            conversation_rate=rate, think_time_s=args.think_time_s,
                            mean_turns=args.mean_turns, mean_new_tokens=args.mean_new_tokens)
-    w = generate(params, seed=args.seed)
+    w = generate(params, seed=seed)
     adapters = tuple(AdapterInfo(a.name, a.rank, a.kind, ALL_LINEAR) for a in w.adapters)
     return w, params, adapters
 
@@ -97,23 +98,24 @@ def rounded(x):
 def run_all(args: argparse.Namespace) -> tuple[list[dict], list]:
     lat = LatencyModel(lora_cost=args.lora_cost)
     jobs = []
-    for n in args.num_adapters:
-        for rate in args.rates:
-            arms = MAIN_ARMS + SWEEP_ARMS + (ABLATION_ARMS if rate in args.ablation_rates else ())
-            jobs += [(n, rate, arm) for arm in arms]
+    for seed in args.seeds:
+        for n in args.num_adapters:
+            for rate in args.rates:
+                arms = MAIN_ARMS + SWEEP_ARMS + (ABLATION_ARMS if rate in args.ablation_rates else ())
+                jobs += [(seed, n, rate, arm) for arm in arms]
     records, request_runs = [], {}
     cache = {}
-    for n, rate, arm in tqdm(jobs, desc="simulating", unit="run"):
-        if (n, rate) not in cache:
-            cache[(n, rate)] = workload(n, rate, args)
-        w, params, adapters = cache[(n, rate)]
+    for seed, n, rate, arm in tqdm(jobs, desc="simulating", unit="run"):
+        if (seed, n, rate) not in cache:
+            cache = {(seed, n, rate): workload(n, rate, args, seed)}
+        w, params, adapters = cache[(seed, n, rate)]
         start = time.perf_counter()
         run = simulate(arm, adapters, w.requests, experiment=f"sim_elora_{n}lora", lat=lat,
                        config=SimConfig(host_kv_bytes=host_kv_bytes(args)))
         wall = time.perf_counter() - start
         rate_rps = len(w.requests) / max(1e-9, w.duration_s)
         records.append({
-            "setup": {"workload": "chatbot", "params": dataclasses.asdict(params), "seed": args.seed,
+            "setup": {"workload": "chatbot", "params": dataclasses.asdict(params), "seed": seed,
                       "num_adapters": n, "conversation_rate": rate, "arm": arm, "target_modules": ALL_LINEAR,
                       "pool_bytes": pool_bytes(lat), "pool_slots": pool_bytes(lat) // lat.model.kv_bytes_per_token,
                       "slot_bytes": lat.model.kv_bytes_per_token, "host_kv_bytes": host_kv_bytes(args)},
@@ -123,7 +125,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], list]:
             "summary": rounded(run.summary),
             "memory_samples": rounded([s for i, s in enumerate(run.samples) if i % 5 == 0]),
         })
-        if arm in MAIN_ARMS and n == args.num_adapters[0]:
+        if arm in MAIN_ARMS and n == args.num_adapters[0] and seed == args.seeds[0]:
             kinds = {r.rid: r.tags.get("kind", "lora") for r in w.requests}
             annotate_for_report(run, rate_rps, kinds)
             request_runs[(n, rate, arm)] = run.results
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--think-time-s", type=float, default=10.0)
     ap.add_argument("--mean-turns", type=float, default=5.0)
     ap.add_argument("--mean-new-tokens", type=float, default=200.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2],
+                    help="workload seeds, each a full sweep; the report gives medians over them and "
+                         "each reduction's range")
     ap.add_argument("--host-kv-gb", type=float, default=None,
                     help=f"host KV pool of ours and its ablations, GB (default {HOST_KV_BYTES / 1e9:g}; 0: off)")
     ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
@@ -156,10 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.ablation_rates = [r for r in args.ablation_rates if r in args.rates] or sorted(args.rates)[-2:]
     out = Path(args.out)
+    args.plot_name = f"{out.name}.png"
     if args.markdown_only:
         records = [json.loads(line) for line in open(f"{out}_runs.jsonl")]
         Path(f"{out}.md").write_text(markdown(records, args, host_kv_bytes(args)) + "\n")
-        print(f"rewrote {out}.md from {out}_runs.jsonl")
+        plot(records, args, f"{out}.png")
+        print(f"rewrote {out}.md and {out}.png from {out}_runs.jsonl")
         return
     records, request_runs = run_all(args)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps(rounded(res.to_json())) + "\n")
     md = markdown(records, args, host_kv_bytes(args))
     Path(f"{out}.md").write_text(md + "\n")
+    plot(records, args, f"{out}.png")
     print(md)
 
 

@@ -9,6 +9,7 @@ report's tables (`compare_report.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,10 +48,18 @@ NEGLIGIBLE = 0.03  # a TTFT ratio within 3% of 1.00 is reported as no effect
 LITTLE_INVALID_KV = 0.05  # invalid-KV shares below this leave the dependency tree little to reclaim
 
 
-def by_setting(records: list[dict]) -> dict[tuple[int, float, str], dict]:
-    """{(num_adapters, conversation rate, arm): summary} of run records."""
+def seeds_of(records: list[dict]) -> list[int]:
+    """The workload seeds the records were run at, in order."""
+    return sorted({r["setup"].get("seed", 0) for r in records})
+
+
+def by_setting(records: list[dict], seed: int | None = None) -> dict[tuple[int, float, str], dict]:
+    """{(num_adapters, conversation rate, arm): summary} of one seed's run records (`seed` None: the
+    first seed's)."""
+    if seed is None:
+        seed = seeds_of(records)[0] if records else 0
     return {(r["setup"]["num_adapters"], r["setup"]["conversation_rate"], r["setup"]["arm"]):
-            r["summary"] for r in records}
+            r["summary"] for r in records if r["setup"].get("seed", 0) == seed}
 
 
 def peak_rate(s: dict, n: int, rates: list[float], arm: str) -> float | None:
@@ -59,14 +68,32 @@ def peak_rate(s: dict, n: int, rates: list[float], arm: str) -> float | None:
     return max(ok) if ok else None
 
 
+def matched_reductions(s: dict, n: int, rates: list[float], ours: str,
+                       base: str) -> tuple[list[float], float | None]:
+    """1 - TTFT(ours) / TTFT(base) at each swept rate up to the pair's knee, the lower of the two
+    arms' peak loads, and that knee. No rate and knee None when either arm misses the SLO at every
+    swept rate (or a run is missing): a rate where only one arm saturates is never averaged in."""
+    if not all((n, r, a) in s for r in rates for a in (ours, base)):
+        return [], None
+    peaks = [peak_rate(s, n, rates, a) for a in (ours, base)]
+    if None in peaks:
+        return [], None
+    knee = min(peaks)
+    return [1 - s[(n, r, ours)]["ttft_mean_s"] / s[(n, r, base)]["ttft_mean_s"]
+            for r in rates if r <= knee], knee
+
+
 @dataclass(frozen=True)
 class Findings:
-    """Figures of one experiment; nan where the records lack the arms.
+    """Figures of one experiment over its seeds; nan where the records lack the arms.
 
-    reduction / reduction_no_tier: baseline -> mean of 1 - TTFT(ours) / TTFT(baseline) over the
-    rates up to the peak load of ours / of ours without the host tier, then over adapter counts.
-    ablation: arm -> mean TTFT(arm) / TTFT(ours) over the ablation rates. invalid: arm -> mean
-    invalid-KV share over all its runs. top: adapter count -> arm -> run record at the top rate."""
+    reduction / reduction_no_tier: baseline -> median over seeds of the seed's mean of
+    1 - TTFT(ours) / TTFT(baseline) over the rates up to the pair's knee (`matched_reductions`;
+    ours, or ours without the host tier), pooled over adapter counts; `spread` / `spread_no_tier`:
+    the seeds' (min, max) of the same. knees: baseline -> adapter count -> the knee per seed (None
+    where no rate matched). ablation: arm -> mean TTFT(arm) / TTFT(ours) over the ablation rates,
+    adapter counts and seeds. invalid: arm -> mean invalid-KV share over all its runs. top:
+    adapter count -> arm -> the first seed's run record at the top rate."""
 
     reduction: dict[str, float]
     reduction_no_tier: dict[str, float]
@@ -74,43 +101,63 @@ class Findings:
     invalid: dict[str, float]
     top_rate: float
     top: dict[int, dict[str, dict]]
+    spread: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    spread_no_tier: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    knees: dict[str, dict[int, list[float | None]]] = dataclasses.field(default_factory=dict)
+    seeds: tuple[int, ...] = (0,)
 
 
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
+def _over_seeds(per_seed: list[float]) -> tuple[float, tuple[float, float]]:
+    """Median and (min, max) of the seeds' values that are numbers; nan when none is."""
+    ok = [v for v in per_seed if not math.isnan(v)]
+    if not ok:
+        return math.nan, (math.nan, math.nan)
+    return float(np.median(ok)), (min(ok), max(ok))
+
+
 def compute_findings(records: list[dict], num_adapters: list[int], rates: list[float],
                      ablation_rates: list[float]) -> Findings:
-    s = by_setting(records)
-    reductions: dict[tuple[str, str], list[float]] = {
-        (o, b): [] for o in (OURS, NO_TIER) for b in BASELINES}
-    for n in num_adapters:
-        for ours, base in reductions:
-            if not all((n, r, a) in s for r in rates for a in (ours, base)):
-                continue
-            peak = peak_rate(s, n, rates, ours) or min(rates)
-            reductions[(ours, base)] += [
-                1 - s[(n, r, ours)]["ttft_mean_s"] / s[(n, r, base)]["ttft_mean_s"]
-                for r in rates if r <= peak]
+    seeds = seeds_of(records)
+    per_seed = {seed: by_setting(records, seed) for seed in seeds}
+    reduction, spread = {}, {}
+    knees: dict[str, dict[int, list[float | None]]] = {b: {n: [] for n in num_adapters} for b in BASELINES}
+    for ours in (OURS, NO_TIER):
+        reduction[ours], spread[ours] = {}, {}
+        for base in BASELINES:
+            seed_means = []
+            for seed in seeds:
+                values = []
+                for n in num_adapters:
+                    got, knee = matched_reductions(per_seed[seed], n, rates, ours, base)
+                    values += got
+                    if ours == OURS:
+                        knees[base][n].append(knee)
+                seed_means.append(_mean(values))
+            reduction[ours][base], spread[ours][base] = _over_seeds(seed_means)
     ablation = {}
     for arm in dict.fromkeys(r["setup"]["arm"] for r in records):
         if arm == OURS or arm in BASELINES:
             continue
         ratios = [s[(n, r, arm)]["ttft_mean_s"] / s[(n, r, OURS)]["ttft_mean_s"]
-                  for n in num_adapters for r in ablation_rates
+                  for s in per_seed.values() for n in num_adapters for r in ablation_rates
                   if (n, r, arm) in s and (n, r, OURS) in s]
         if ratios:
             ablation[arm] = _mean(ratios)
-    invalid = {arm: _mean([x["invalid_kv_share"] for k, x in s.items() if k[2] == arm])
+    invalid = {arm: _mean([r["summary"]["invalid_kv_share"] for r in records if r["setup"]["arm"] == arm])
                for arm in ("vllm", "sglang", OURS, "ours:elora:no-tree")}
     top_rate = max(rates)
+    first = seeds[0] if seeds else 0
     top = {n: {r["setup"]["arm"]: r for r in records
-               if r["setup"]["num_adapters"] == n and r["setup"]["conversation_rate"] == top_rate}
+               if r["setup"]["num_adapters"] == n and r["setup"]["conversation_rate"] == top_rate
+               and r["setup"].get("seed", 0) == first}
            for n in num_adapters}
-    return Findings(reduction={b: _mean(reductions[(OURS, b)]) for b in BASELINES},
-                    reduction_no_tier={b: _mean(reductions[(NO_TIER, b)]) for b in BASELINES},
-                    ablation=ablation, invalid=invalid, top_rate=top_rate, top=top)
+    return Findings(reduction=reduction[OURS], reduction_no_tier=reduction[NO_TIER], ablation=ablation,
+                    invalid=invalid, top_rate=top_rate, top=top, spread=spread[OURS],
+                    spread_no_tier=spread[NO_TIER], knees=knees, seeds=tuple(seeds))
 
 
 def mean_memory_gb(record: dict, kind: str) -> float:
@@ -129,6 +176,14 @@ def _effect(ratio: float) -> str:
     return f"{ratio - 1:+.0%} mean TTFT ({ratio:.2f}x)"
 
 
+def _seed_spread(f: Findings, spread: tuple[float, float] | None) -> str:
+    """' (median of N seeds, lo to hi)' when the findings pool several seeds, else ''."""
+    if len(f.seeds) < 2 or spread is None or math.isnan(spread[0]):
+        return ""
+    lo, hi = sorted((-spread[0], -spread[1]))
+    return f" (median of {len(f.seeds)} seeds, {lo:+.1%} to {hi:+.1%})"
+
+
 def _headline(f: Findings) -> list[str]:
     out = []
     for base, name in (("vllm", "vLLM"), ("slora", "S-LoRA")):
@@ -138,8 +193,8 @@ def _headline(f: Findings) -> list[str]:
         verdict = ("matches" if abs(ours - paper) <= 0.01 else "exceeds" if ours > paper
                    else "falls short of")
         line = (f"- **Against {name}-like, ours {verdict} ELORA's published reduction**: mean "
-                f"TTFT {-ours:+.1%} against the paper's {-paper:+.1%} "
-                f"({abs(ours - paper) * 100:.1f} points apart).")
+                f"TTFT {-ours:+.1%}{_seed_spread(f, f.spread.get(base))} against the paper's "
+                f"{-paper:+.1%} ({abs(ours - paper) * 100:.1f} points apart).")
         pre = f.reduction_no_tier[base]
         if not math.isnan(pre):
             line += f" Without the host KV tier: {-pre:+.1%}"

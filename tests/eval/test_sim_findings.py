@@ -4,6 +4,7 @@ opposite outcomes give opposite conclusions, and every quoted ratio is the one t
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
@@ -17,11 +18,11 @@ ORDER_ONLY = ("ours:lru", "ours:elora:no-tree", "ours:elora:-lora_count", "ours:
 
 
 def _record(rate: float, arm: str, ttft_s: float, *, kv_hit: float = 0.8, adapter_hit: float = 0.99,
-            invalid: float = 0.0, adapter_gb: float = 5.0, kv_gb: float = 20.0) -> dict:
+            invalid: float = 0.0, adapter_gb: float = 5.0, kv_gb: float = 20.0, seed: int = 0) -> dict:
     summary = {"ttft_mean_s": ttft_s, "ttft_p50_s": ttft_s, "ttft_p99_s": 2 * ttft_s,
                "tpot_mean_s": 0.01, "kv_hit_rate": kv_hit, "adapter_hit_rate": adapter_hit,
                "invalid_kv_share": invalid, "num_adapter_loads": 4, "history_recompute_share": 0.1}
-    return {"setup": {"num_adapters": 4, "conversation_rate": rate, "arm": arm, "pool_bytes": POOL,
+    return {"setup": {"num_adapters": 4, "conversation_rate": rate, "arm": arm, "pool_bytes": POOL, "seed": seed,
                       "params": {"ranks": [32, 64]}, "target_modules": ["q_proj", "v_proj"]},
             "summary": summary,
             "memory_samples": [{"adapter": adapter_gb * 1e9, "kv_cached": kv_gb * 1e9}] * 2}
@@ -39,7 +40,7 @@ def _sweep(ours_s: float, vllm_s: float, ablation: dict[str, float], **vllm_fiel
 
 
 def _report(records: list[dict]) -> str:
-    args = argparse.Namespace(num_adapters=[4], rates=RATES, ablation_rates=RATES, seed=0,
+    args = argparse.Namespace(num_adapters=[4], rates=RATES, ablation_rates=RATES, seeds=[0],
                               window_s=6.0, mean_turns=5.0, think_time_s=10.0, mean_new_tokens=40.0)
     return markdown(records, args, host_kv_bytes=128 * 10**9)
 
@@ -93,3 +94,35 @@ def test_reductions_without_the_tier_are_attributed():
     slower = _sweep(0.1, 0.2, {}) + [_record(r, "ours:elora:no-host-kv", 0.3) for r in RATES]
     text = "\n".join(conclusions(compute_findings(slower, [4], RATES, RATES)))
     assert "Without the host KV tier: +50.0%, so ours beats it only with the tier." in text
+
+
+def test_reductions_are_matched_up_to_each_baselines_knee_and_pooled_over_seeds():
+    """A rate where only the baseline saturates is never averaged in; a baseline that misses the SLO
+    at every rate gives no reduction; seeds give a median and a range."""
+    rates = [1.0, 2.0, 3.0]
+    records = []
+    for seed, ours_s in ((0, 0.1), (1, 0.05), (2, 0.15)):
+        for rate in rates:
+            # vLLM under the 0.5 s SLO up to 2 conv/s, 4 s at 3 (past its knee); S-LoRA never under it
+            records += [_record(rate, "ours:elora", ours_s, seed=seed),
+                        _record(rate, "vllm", 0.2 if rate < 3 else 4.0, seed=seed),
+                        _record(rate, "slora", 0.6, seed=seed), _record(rate, "sglang", 0.3, seed=seed),
+                        _record(rate, "sglang:hicache", 0.3, seed=seed)]
+    f = compute_findings(records, [4], rates, rates)
+    assert f.seeds == (0, 1, 2)
+    # per seed 1 - ours / 0.2 at rates 1 and 2 only: 0.5, 0.75, 0.25 (3 conv/s would add 0.97+)
+    assert f.reduction["vllm"] == pytest.approx(0.5)
+    assert f.spread["vllm"] == pytest.approx((0.25, 0.75))
+    assert f.knees["vllm"] == {4: [2.0, 2.0, 2.0]}
+    assert math.isnan(f.reduction["slora"]) and f.knees["slora"] == {4: [None, None, None]}
+    assert f.reduction["sglang"] == pytest.approx(1 - 0.1 / 0.3)
+    args = argparse.Namespace(num_adapters=[4], rates=rates, ablation_rates=rates, seeds=[0, 1, 2],
+                              window_s=6.0, mean_turns=5.0, think_time_s=10.0, mean_new_tokens=40.0)
+    md = markdown(records, args, host_kv_bytes=128 * 10**9)
+    assert _row(md, "mean TTFT vs vLLM")[2] == "-50.0% (-75.0 to -25.0%)"
+    assert _row(md, "mean TTFT vs vLLM")[4] == "4: 2 / 2 / 2"
+    assert _row(md, "mean TTFT vs S-LoRA")[2:5] == ["n/a", "n/a", "4: none / none / none"]
+    # the table's cells are medians over the seeds, the peak column every seed's
+    assert _row(md, "ours:elora")[1:5] == ["0.100", "0.100", "0.100", "3 / 3 / 3"]
+    assert _row(md, "vllm")[3:5] == ["4.000", "2 / 2 / 2"]
+    assert "mean TTFT -50.0% (median of 3 seeds, -75.0% to -25.0%) against the paper's -45.7%" in md
