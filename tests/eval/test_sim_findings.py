@@ -126,3 +126,6 @@ def test_reductions_are_matched_up_to_each_baselines_knee_and_pooled_over_seeds(
     assert _row(md, "ours:elora")[1:5] == ["0.100", "0.100", "0.100", "3 / 3 / 3"]
     assert _row(md, "vllm")[3:5] == ["4.000", "2 / 2 / 2"]
     assert "mean TTFT -50.0% (median of 3 seeds, -75.0% to -25.0%) against the paper's -45.7%" in md
+    # peak loads: ours at every rate (3), vLLM 2, S-LoRA none, SGLang 3
+    assert ("**Peak load (mean TTFT under 0.5 s)** (medians over the seeds): 4 adapters: ours 3 conv/s, vLLM-like 2 "
+            "(1.50x), S-LoRA-like below the lowest rate, stock SGLang 3 (1.00x).") in md
