@@ -92,9 +92,9 @@ class Findings:
     ours, or ours without the host tier), pooled over adapter counts; `spread` / `spread_no_tier`:
     the seeds' (min, max) of the same. knees: baseline -> adapter count -> the knee per seed (None
     where no rate matched); peaks: ours and each baseline -> adapter count -> its peak load per seed
-    (None: the SLO missed at every swept rate). ablation: arm -> mean TTFT(arm) / TTFT(ours) over the ablation rates,
-    adapter counts and seeds. invalid: arm -> mean invalid-KV share over all its runs. top:
-    adapter count -> arm -> the first seed's run record at the top rate."""
+    (None: the SLO missed at every swept rate). ablation: arm -> mean TTFT(arm) / TTFT(ours) over
+    the ablation rates, adapter counts and seeds. invalid: arm -> mean invalid-KV share over all its
+    runs. top: adapter count -> arm -> the first seed's run record at the top rate."""
 
     reduction: dict[str, float]
     reduction_no_tier: dict[str, float]
