@@ -28,6 +28,7 @@ from eval.sim.findings import (
     mean_memory_gb,
     peak_rate,
     seeds_of,
+    ttft_change_range,
 )
 from eval.sim.latency import LatencyModel
 from eval.sim.memory import pool_bytes
@@ -106,10 +107,8 @@ def _pct(x: float) -> str:
 
 def _pct_spread(x: float, spread: tuple[float, float] | None) -> str:
     """A reduction as a percentage, with the seeds' range when they differ."""
-    if spread is None or math.isnan(x) or spread[0] == spread[1]:
-        return _pct(x)
-    lo, hi = sorted((-spread[0], -spread[1]))
-    return f"{_pct(x)} ({100 * lo:+.1f} to {100 * hi:+.1f}%)"
+    change = None if math.isnan(x) else ttft_change_range(spread)
+    return _pct(x) if change is None else f"{_pct(x)} ({100 * change[0]:+.1f} to {100 * change[1]:+.1f}%)"
 
 
 def _share(x: float) -> str:

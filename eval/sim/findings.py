@@ -180,12 +180,18 @@ def _effect(ratio: float) -> str:
     return f"{ratio - 1:+.0%} mean TTFT ({ratio:.2f}x)"
 
 
+def ttft_change_range(spread: tuple[float, float] | None) -> tuple[float, float] | None:
+    """The seeds' (min, max) of a reduction as TTFT changes (-reduction), lowest first; None when there is none
+    or the seeds agree."""
+    if spread is None or math.isnan(spread[0]) or spread[0] == spread[1]:
+        return None
+    return min(-spread[0], -spread[1]), max(-spread[0], -spread[1])
+
+
 def _seed_spread(f: Findings, spread: tuple[float, float] | None) -> str:
-    """' (median of N seeds, lo to hi)' when the findings pool several seeds, else ''."""
-    if len(f.seeds) < 2 or spread is None or math.isnan(spread[0]):
-        return ""
-    lo, hi = sorted((-spread[0], -spread[1]))
-    return f" (median of {len(f.seeds)} seeds, {lo:+.1%} to {hi:+.1%})"
+    """' (median of N seeds, lo to hi)' when the findings pool several seeds that differ, else ''."""
+    change = ttft_change_range(spread) if len(f.seeds) > 1 else None
+    return "" if change is None else f" (median of {len(f.seeds)} seeds, {change[0]:+.1%} to {change[1]:+.1%})"
 
 
 def _headline(f: Findings) -> list[str]:
