@@ -93,6 +93,7 @@ class LiveScheduler:
                              slot_squash_share=args.slot_squash_share, max_slot_squashes=args.max_slot_squashes,
                              slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf,
                              memory_hold_share=args.memory_hold_share if args.memory_hold_share > 0 else math.inf,
+                             memory_hold_backfill=not args.disable_hold_backfill,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
         cache = getattr(scheduler, "tree_cache", None)
@@ -185,7 +186,8 @@ class LiveScheduler:
         cap = self.slot_cap(scheduler)
         adapters = None if cap is None else {self._identity(r) for r in running}
         now = self.now()
-        batch = self.mq.build_batch(now, budget, is_resident, prefetch, adapters, cap)
+        batch = self.mq.build_batch(now, budget, is_resident, prefetch, adapters, cap,
+                                    None if memory is None else self._adapter_tokens)
         self._planned_order = [r.rid for r in batch]
         self.planned = set(self._planned_order)
         self._log_hold(now, len(batch), budget, len(running), adapters, cap, batch_full)
@@ -223,6 +225,13 @@ class LiveScheduler:
             return "base"
         found = process_state().adapters.find(identity=identity)
         return found[1].name if found is not None else identity[:12]
+
+    @staticmethod
+    def _adapter_tokens(identity: str) -> int:
+        """The token slots an adapter takes when resident in the unified pool (the memory hold's backfill counts
+        them; the pass's budget counts an idle resident adapter's slots as evictable)."""
+        residency = process_state().memory.residency
+        return residency.entry(identity).num_slots if identity in residency else 0
 
     @staticmethod
     def _prefetch(identity: str) -> bool:

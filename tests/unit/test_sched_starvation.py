@@ -268,10 +268,11 @@ def test_a_memory_blocked_request_is_not_starved_by_another_queues_stream():
        stream=st.lists(st.integers(1, 5), min_size=NUM_ITERS, max_size=NUM_ITERS),
        large=st.lists(st.tuples(st.integers(0, NUM_ITERS - 1), st.sampled_from("xyz"), st.integers(*MEDIUM)),
                       max_size=6),
-       durations=st.lists(st.integers(1, 6), min_size=1, max_size=8))
+       durations=st.lists(st.integers(1, 6), min_size=1, max_size=8), backfill=st.booleans())
 @example(plan=PLANS[2], stream=[1] * 27 + [4] + [5] * 12, durations=[6],  # drains long after the last arrival
-         large=[(3, "z", 300), (3, "z", 400), (3, "x", 300), (3, "x", 400), (3, "x", 401), (3, "x", 401)])
-def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, stream, large, durations):
+         large=[(3, "z", 300), (3, "z", 400), (3, "x", 300), (3, "x", 400), (3, "x", 401), (3, "x", 401)],
+         backfill=False)
+def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, stream, large, durations, backfill):
     """Adversarial streams against adapters that need most of the pool: every batch a burst of small base-model
     requests, and now and then a request on one of three adapters of 500-700 tokens in a pool of 1300 (each fits
     with its request when little else runs, none beside another). The pool evicts idle adapters (none that a
@@ -279,7 +280,9 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
     and the budget counts them as free, as SGLang's evictable memory does; the engine takes the plan in order
     while each request fits and its adapter is resident, and pushes back the rest. Bound: a request that
     holds the batch (memory-blocked `memory_hold_share` of the SLO ago, the oldest such) is admitted within the
-    longest run of a request plus two batches (a push-back when its load took the room its budget counted)."""
+    longest run of a request plus two batches (a push-back when its load took the room its budget counted), with
+    or without backfill (told the adapters' sizes, the hold admits base-model requests and requests on pinned
+    adapters into the room the held request will not need)."""
     pool, sizes = 1300, {"x": 500, "y": 600, "z": 700}
     s = make(plan)
     hold_after = s.config.memory_hold_share * s.config.ttft_slo_s
@@ -333,7 +336,8 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
             target_since.setdefault(min(blocked, key=lambda r: (r.memory_blocked_since, r.seq)).rid, it)
         pinned.clear()
         budget = free() + sum(resident[a] for a in idle())
-        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch):
+        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch,
+                               adapter_tokens=sizes.__getitem__ if backfill else None):
             pinned.add(r.adapter)
             if (r.adapter is not None and r.adapter not in resident) or not make_room(r.cost_tokens):
                 s.requeue(r.rid, pushed_back=True)
@@ -348,3 +352,44 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
         assert not late, f"holding since {late}, still queued at batch {it}"
         s.check_invariants()
     assert not len(s.queues) and not running, f"work left {horizon - NUM_ITERS} batches after the arrivals stopped"
+
+
+def test_backfill_beside_a_memory_hold_takes_only_the_room_the_held_request_will_not_need():
+    """A pool of 1000 tokens: adapter a (300) pinned by A1 (200), a base-model request B (100), 400 free. R on
+    adapter c (400) costs 300: it needs 700, so it is memory-blocked. Once A1 and B drain there are 400 + 300 +
+    a's 300 = 1000 tokens, 300 more than R needs: the backfill fills exactly that, oldest first, with requests
+    that load nothing (x1: 150, x2: 100; y on a would keep a pinned, 100 + 300 over the 150 left; z's adapter d is
+    not resident; x3's 100 is over the last 50), and takes nothing next batch (its slack is counted again). Without
+    the adapters' sizes the hold takes nothing; after the drain R goes in."""
+    sizes = {"a": 300, "c": 400, "d": 300}
+    for backfill in (True, False):
+        s = make(PLANS[1], memory_hold_share=0.0)  # one queue; hold from the first batch that finds R blocked
+        tokens = sizes.__getitem__ if backfill else None
+        resident = {"a"}
+        s.add(request("A1", 200, adapter="a"))
+        s.add(SchedRequest("B", None, in_len=50, max_new_tokens=50))
+        assert [r.rid for r in s.build_batch(0.0, 700, resident.__contains__, lambda a: False, None, None,
+                                             tokens)] == ["A1", "B"]
+        s.add(request("R", 300, adapter="c", arrival=1.0))
+        assert s.build_batch(1.0, 400, resident.__contains__, lambda a: False, None, None, tokens) == []
+        assert s.queues.get("R").memory_blocked_since == 1.0
+        for rid, size, adapter in [("x1", 150, None), ("y", 100, "a"), ("x2", 100, None), ("z", 100, "d"),
+                                   ("x3", 100, None)]:
+            s.add(request(rid, size, adapter=adapter, arrival=2.0) if adapter else
+                  SchedRequest(rid, None, in_len=size // 2, max_new_tokens=size - size // 2, arrival=2.0))
+        batch = s.build_batch(2.0, 400, resident.__contains__, lambda a: False, None, None, tokens)
+        assert [r.rid for r in batch] == (["x1", "x2"] if backfill else [])
+        assert s.counts["backfills"] == (2 if backfill else 0) and s.counts["memory_holds"] == 1
+        budget = 400 - sum(r.cost_tokens for r in batch)
+        assert s.build_batch(3.0, budget, resident.__contains__, lambda a: False, None, None, tokens) == []
+        s.on_finish("A1", 4.0)
+        s.on_finish("B", 4.0)
+        s.check_invariants()
+
+        def load(adapter: str) -> bool:
+            resident.add(adapter)
+            return True
+
+        batch = s.build_batch(4.0, budget + 300 + 300, resident.__contains__, load, None, None, tokens)
+        assert [r.rid for r in batch] == ["R"] and s.counts["memory_holds"] == 2
+        s.check_invariants()

@@ -120,10 +120,15 @@ class MultiQueueAdmission(BaseAdmission):
         budget = max(0, min(system.admission_room(), self.cfg.chunk_tokens - backlog + self.max_cost))
         cap = self.cfg.max_loras_per_batch
         batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch,
-                                    self.running_adapters if cap is not None else None, cap)
+                                    self.running_adapters if cap is not None else None, cap, self._adapter_tokens)
         self.num_passes += 1
         self.planned = [self.by_rid[r.rid] for r in batch]
         return self.planned
+
+    def _adapter_tokens(self, name: str) -> int:
+        """The token slots `name` takes when resident (the memory hold's backfill counts them)."""
+        res = self.system.residency
+        return res.entry(name).num_slots if name in res else 0
 
     def _prefetch(self, name: str) -> bool:
         """True if `name` is loading or a load started now; False if no room can be made for it now."""
