@@ -242,7 +242,8 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
                 "ours-mq-strict", "ours-mq-hold1-drain-strict", "stock-hold0.5-strict"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
-    assert ordered_arms({"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold0", "ours-mq-cap8"}) == [
+    arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold0", "ours-mq-cap8"}
+    assert ordered_arms(arms) == [
         "ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold2"]
 
     workload = SimpleNamespace(adapters=[SimpleNamespace(target_modules=("q_proj", "v_proj"), rank=64)])
