@@ -82,8 +82,8 @@ class MultiLoRAArgs:
     # multiqueue with the unified pool: a request whose adapter has not fitted for this share of the TTFT SLO holds
     # admission until it does (0: never).
     memory_hold_share: float = 0.5
-    # The memory hold admits nothing beside the held request, not even what fits the room it will not need.
-    disable_hold_backfill: bool = False
+    # The memory hold also admits what fits the room the held request will not need (backfill).
+    hold_backfill: bool = False
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -356,12 +356,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "0: never (the published algorithm, under which a steady stream into another queue can keep it out).",
     )
     group.add_argument(
-        "--multilora-disable-hold-backfill",
+        "--multilora-hold-backfill",
         action="store_true",
-        default=MultiLoRAArgs.disable_hold_backfill,
-        help="multiqueue with the unified pool: during a memory hold admit nothing else. By default requests on the "
-        "base model or on an adapter a running request pins still go in while the room left once the running "
-        "requests drain covers the held request and its adapter (backfill). For comparison.",
+        default=MultiLoRAArgs.hold_backfill,
+        help="multiqueue with the unified pool: during a memory hold, requests on an adapter (or the base model) "
+        "that a running request uses still go in while the room left once the running requests drain covers the "
+        "held request, its adapter and their locked prefixes (backfill). Off by default: the hold admits nothing "
+        "else.",
     )
     group.add_argument(
         "--multilora-lora-ops",

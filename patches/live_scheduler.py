@@ -93,7 +93,7 @@ class LiveScheduler:
                              slot_squash_share=args.slot_squash_share, max_slot_squashes=args.max_slot_squashes,
                              slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf,
                              memory_hold_share=args.memory_hold_share if args.memory_hold_share > 0 else math.inf,
-                             memory_hold_backfill=not args.disable_hold_backfill,
+                             memory_hold_backfill=args.hold_backfill,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
         cache = getattr(scheduler, "tree_cache", None)

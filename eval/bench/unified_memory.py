@@ -13,9 +13,9 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
   run, so the stock arm computes with our CPU LoRA layers from the host copies: its adapter swaps into slot buffers
   cost nothing here (in SGLang they are host-to-device copies), which favours the stock arm.
-- `ours-mq[-cap<N>]-hold<X>[-strict]` (optional, before `-drain`): the multi-queue arm with
-  `--multilora-memory-hold-share X` (0: never hold), `-strict` with `--multilora-disable-hold-backfill` too, to
-  weigh the memory hold and its backfill against the defaults in one run.
+- `ours-mq[-cap<N>]-hold<X>[-strict|-backfill]` (optional, before `-drain`): the multi-queue arm with
+  `--multilora-memory-hold-share X` (0: never hold), `-backfill` with `--multilora-hold-backfill` too (`-strict`:
+  without, the default), to weigh the memory hold and its backfill against the defaults in one run.
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
   cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
   pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
@@ -98,38 +98,50 @@ ARM_BASES = ("stock", "ours", "ours-mq")
 
 
 def split_hold(name: str) -> tuple[str, float | None]:
-    """`<...>-hold<X>[-strict][-drain]` -> (the name without `-hold<X>[-strict]`, X), else (name, None). Raises
-    ValueError for a share that is not a number >= 0, or `-strict` without `-hold<X>`."""
+    """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
+    (name, None). Raises ValueError for a share that is not a number >= 0, or a mode without `-hold<X>`."""
     head, sep, tail = name.partition("-hold")
     if not sep:
-        if "-strict" in name:
-            raise ValueError(f"unknown arm {name!r}: -strict follows -hold<X>")
+        if hold_mode(name, checked=False):
+            raise ValueError(f"unknown arm {name!r}: -strict and -backfill follow -hold<X>")
         return name, None
     share, _, rest = tail.partition("-")
     try:
         value = float(share)
     except ValueError:
         value = -1.0
-    if value < 0 or rest not in ("", "drain", "strict", "strict-drain"):
+    mode, _, drain = rest.partition("-") if rest != "drain" else ("", "", "drain")
+    if value < 0 or mode not in HOLD_MODES or drain not in ("", "drain"):
         raise ValueError(f"unknown arm {name!r}: -hold<X> takes a memory-hold share X >= 0 (0: never hold), "
-                         "then -strict (no backfill beside a hold) and -drain, each optional")
-    return head + ("-drain" if rest.endswith("drain") else ""), value
+                         "then -strict (the hold admits nothing else) or -backfill, and -drain, each optional")
+    return head + ("-drain" if drain else ""), value
 
 
-def is_strict(name: str) -> bool:
-    """`-hold<X>-strict`: the arm's memory hold admits nothing beside the held request."""
-    return split_hold(name)[1] is not None and "-strict" in name
+HOLD_MODES = ("", "strict", "backfill")
+"""`-hold<X>-strict`: the arm's memory hold admits nothing else (the default since backfill went off by default;
+the name kept for the records that ran it with the backfill on by default); `-backfill`:
+`--multilora-hold-backfill`."""
+
+
+def hold_mode(name: str, checked: bool = True) -> str:
+    """"strict", "backfill" or "" (the server's default) for an arm name."""
+    if checked:
+        split_hold(name)
+    for mode in HOLD_MODES[1:]:
+        if f"-{mode}" in name:
+            return mode
+    return ""
 
 
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict]][-drain]` -> (base, cap or None for the common one, drainer on);
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-drain]` -> (base, cap or None for the common one, drainer on);
     `-hold<X>` (`split_hold`) only on `ours-mq`. Raises ValueError for any other name."""
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
     if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
             hold is not None and base != "ours-mq"):
-        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-strict]][-drain], base one of "
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-drain], base one of "
                          f"{', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
     return base, int(cap) if cap else None, drain
 
@@ -154,8 +166,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
         hold = split_hold(name)[1]
         if hold is not None:
             extra += ["--multilora-memory-hold-share", f"{hold:g}"]
-        if is_strict(name):
-            extra += ["--multilora-disable-hold-backfill"]
+        if hold_mode(name) == "backfill":
+            extra += ["--multilora-hold-backfill"]
     if drain:
         extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
     return tokens, extra
@@ -305,7 +317,7 @@ def ordered_arms(names) -> list[str]:
     def key(name):
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
-        return ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, is_strict(name), drain
+        return ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), drain
 
     return sorted(names, key=key)
 
@@ -330,13 +342,13 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     caps: dict[str, list] = {}  # base -> its arms' (cap, hold share) in order, cap 0 for the common one
     for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):
         base, cap, _ = parse_arm(arm)
-        if (cap or 0, split_hold(arm)[1], is_strict(arm)) not in caps.setdefault(base, []):
-            caps[base].append((cap or 0, split_hold(arm)[1], is_strict(arm)))
+        if (cap or 0, split_hold(arm)[1], hold_mode(arm)) not in caps.setdefault(base, []):
+            caps[base].append((cap or 0, split_hold(arm)[1], hold_mode(arm)))
     for ax, rate in zip(axes[0], sorted(ttfts)):
         for arm in ordered_arms(ttfts[rate]):
             xs = sorted(ttfts[rate][arm])
             base, cap, drain = parse_arm(arm)
-            style = CAP_STYLES[caps[base].index((cap or 0, split_hold(arm)[1], is_strict(arm))) % len(CAP_STYLES)]
+            style = CAP_STYLES[caps[base].index((cap or 0, split_hold(arm)[1], hold_mode(arm))) % len(CAP_STYLES)]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS[base],
                     linestyle=style, linewidth=1.0 if drain else 1.6, marker="o" if drain else None,
                     markevery=max(1, len(xs) // 8), markersize=3,

@@ -94,10 +94,10 @@ class SchedConfig:
     promoted queue gains nothing when memory, not the budget, keeps its head out
     (tests/unit/test_sched_starvation.py). Half the SLO, as `slot_squash_share`: the rest is left
     for the drain and the prefill. math.inf: never hold (the published algorithm)."""
-    memory_hold_backfill: bool = True
+    memory_hold_backfill: bool = False
     """During a memory hold, admit what fits the room the held request will not need once the
     requests running at the hold's start drain (multiqueue.py, backfill; only when the caller tells
-    the adapters' sizes). False: the hold admits nothing else."""
+    the adapters' sizes). False (the default): the hold admits nothing else."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:

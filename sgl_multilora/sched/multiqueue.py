@@ -21,13 +21,15 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   the requests running at the hold's start have drained still covers the held request's cost and
   its adapter's load:
 
-      slack = budget + sum(cost, running before the hold) - sum(cost, backfilled)
-              + sum(tokens, adapters only those pin) - need(held)
+      slack = budget + sum(cost + cached, running before the hold)
+              - sum(cost + cached, backfilled) + sum(tokens, adapters only those pin) - need(held)
 
-  (a backfilled request's cost counted against the slack again though part of it is already out of
-  the budget, so that its decode growth is covered). It delays the held request by nothing the
-  budget sees; a hold that took nothing cost first-token time where KV binds (mean TTFT 0.81x
-  stock's against 0.67x never holding: eval/results/unified_memory_chatbot_holdab_seed1.md).
+  (cached: the prefix a running request locks, evictable again once it finishes; a backfilled
+  request's cost counted against the slack again though part of it is already out of the budget,
+  so that its decode growth is covered). It delays the held request by nothing the budget sees.
+  Off by default (`config.memory_hold_backfill`): its first version, which left the locked
+  prefixes out, let chatbot turns with long cached histories take the held request's room
+  (eval/results/unified_memory_chatbot_backfill_seed1.md).
 - Phase 0, only with `config.overdue_s` set (not in the paper): requests queued that long go
   first, oldest first across queues, each charged to its own queue whatever its quota. If the
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
@@ -316,15 +318,17 @@ class MultiQueueScheduler:
         """Backfill beside a memory hold (module docstring): requests on an adapter (or the base
         model) that a running request uses, oldest first in ascending queue order, while each fits
         the slack and the budget. A request on an adapter that only requests running before the hold
-        pin keeps it pinned after they drain: its adapter's tokens count against the slack too."""
+        pin keeps it pinned after they drain: its adapter's tokens count against the slack too; so
+        does the cached prefix a request locks while it runs (`cached_len`: room the budget counts as
+        evictable until then, and gives back when it finishes)."""
         slack = ctx.budget - need
         before, backfilled = set(), set()
         for x in self._running.values():
             if x.rid in self._backfilled:
-                slack -= x.cost_tokens
+                slack -= x.cost_tokens + x.cached_len
                 backfilled.add(x.adapter)
             else:
-                slack += x.cost_tokens
+                slack += x.cost_tokens + x.cached_len
                 before.add(x.adapter)
         freed = before - backfilled - {None, held.adapter}  # idle, so evictable, once those drain
         slack += sum(adapter_tokens(a) for a in freed)
@@ -338,7 +342,7 @@ class MultiQueueScheduler:
             for x in found:
                 if x is held or x.adapter not in pinned:  # no load, and no adapter slot the held one may need
                     continue
-                cost = x.cost_tokens + (adapter_tokens(x.adapter) if x.adapter in freed else 0)
+                cost = x.cost_tokens + x.cached_len + (adapter_tokens(x.adapter) if x.adapter in freed else 0)
                 if cost > slack or x.cost_tokens > ctx.budget or not ctx.has_slot(x):
                     continue
                 self._admit_to_own_queue(x, ctx, batch)

@@ -36,6 +36,7 @@ def server(model_path):
         # request is not retracted for longer than that: on one core, after the first test, the rate read 90 ms a
         # token, and four 60-token holders were all priced out at an SLO of 5 s)
         "--multilora-ttft-slo-s", str(SLO_S), "--multilora-slot-squash-share", "0.125",
+        "--multilora-hold-backfill",  # the live backfill path beside a memory hold (the squash module: without)
     ], name="e2e_multiqueue", max_total_tokens=4096, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
     yield handle
     handle.stop()

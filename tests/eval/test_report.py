@@ -238,13 +238,16 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     assert parse_arm("ours-mq-hold2.5-drain") == ("ours-mq", None, True)
     assert parse_arm("ours-mq-cap8-hold0.5-strict") == ("ours-mq", 8, False)
     assert parse_arm("ours-mq-hold0.5-strict-drain") == ("ours-mq", None, True)
+    assert parse_arm("ours-mq-cap8-hold0.5-backfill") == ("ours-mq", 8, False)
     for bad in ("stock-hold1", "ours-hold1", "ours-mq-hold", "ours-mq-holdx", "ours-mq-hold-1", "ours-mq-hold1-x",
-                "ours-mq-strict", "ours-mq-hold1-drain-strict", "stock-hold0.5-strict"):
+                "ours-mq-strict", "ours-mq-backfill", "ours-mq-hold1-drain-strict", "stock-hold0.5-strict",
+                "ours-mq-hold1-strict-backfill"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
-    arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold0", "ours-mq-cap8"}
-    assert ordered_arms(arms) == [
-        "ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold2"]
+    arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-backfill", "ours-mq-cap8-hold0.5-strict",
+            "ours-mq-cap8-hold0", "ours-mq-cap8"}
+    assert ordered_arms(arms) == ["ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5-backfill",
+                                  "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold2"]
 
     workload = SimpleNamespace(adapters=[SimpleNamespace(target_modules=("q_proj", "v_proj"), rank=64)])
     args = argparse.Namespace(max_loras_per_batch=4, pool_tokens=6000, policy="elora", slo_s=2.0, drain_wait_s=2.0)
@@ -258,9 +261,10 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     tokens, flags = arm_spec("ours-mq-cap8-hold0", args, workload, 64)
     assert tokens == 6000 and flags[-2:] == ["--multilora-memory-hold-share", "0"]
     assert "--multilora-memory-hold-share" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
-    assert arm_spec("ours-mq-cap8-hold0.5-strict", args, workload, 64)[1][-3:] == [
-        "--multilora-memory-hold-share", "0.5", "--multilora-disable-hold-backfill"]
-    assert "--multilora-disable-hold-backfill" not in arm_spec("ours-mq-cap8-hold0.5", args, workload, 64)[1]
+    assert arm_spec("ours-mq-cap8-hold0.5-backfill", args, workload, 64)[1][-3:] == [
+        "--multilora-memory-hold-share", "0.5", "--multilora-hold-backfill"]
+    assert arm_spec("ours-mq-cap8-hold0.5-strict", args, workload, 64)[1][-2:] == [
+        "--multilora-memory-hold-share", "0.5"]
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
         arm_spec("stock-cap40", args, workload, 64)
 

@@ -98,9 +98,9 @@ def test_memory_flags(monkeypatch):
     assert flags.pop_from_namespace(ns).memory_hold_share == 0.0
     with pytest.raises(SystemExit):
         parser().parse_args(["--multilora-memory-hold-share", "-0.5"])
-    assert not flags.MultiLoRAArgs().disable_hold_backfill  # backfill beside a hold by default
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-disable-hold-backfill"])
-    assert flags.pop_from_namespace(ns).disable_hold_backfill
+    assert not flags.MultiLoRAArgs().hold_backfill  # a hold admits nothing else by default
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-hold-backfill"])
+    assert flags.pop_from_namespace(ns).hold_backfill
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:

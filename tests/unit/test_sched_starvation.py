@@ -284,7 +284,7 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
     or without backfill (told the adapters' sizes, the hold admits base-model requests and requests on pinned
     adapters into the room the held request will not need)."""
     pool, sizes = 1300, {"x": 500, "y": 600, "z": 700}
-    s = make(plan)
+    s = make(plan, memory_hold_backfill=backfill)
     hold_after = s.config.memory_hold_share * s.config.ttft_slo_s
     resident: dict[str, int] = {}  # adapter -> size
     running: dict[str, tuple[SchedRequest, int]] = {}  # rid -> (request, batch it finishes)
@@ -336,8 +336,7 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
             target_since.setdefault(min(blocked, key=lambda r: (r.memory_blocked_since, r.seq)).rid, it)
         pinned.clear()
         budget = free() + sum(resident[a] for a in idle())
-        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch,
-                               adapter_tokens=sizes.__getitem__ if backfill else None):
+        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch, adapter_tokens=sizes.__getitem__):
             pinned.add(r.adapter)
             if (r.adapter is not None and r.adapter not in resident) or not make_room(r.cost_tokens):
                 s.requeue(r.rid, pushed_back=True)
@@ -358,13 +357,15 @@ def test_backfill_beside_a_memory_hold_takes_only_the_room_the_held_request_will
     """A pool of 1000 tokens: adapter a (300) pinned by A1 (200), a base-model request B (100), 400 free. R on
     adapter c (400) costs 300: it needs 700, so it is memory-blocked. Once A1 and B drain there are 400 + 300 +
     a's 300 = 1000 tokens, 300 more than R needs: the backfill fills exactly that, oldest first, with requests
-    that load nothing (x1: 150, x2: 100; y on a would keep a pinned, 100 + 300 over the 150 left; z's adapter d is
-    not resident; x3's 100 is over the last 50), and takes nothing next batch (its slack is counted again). Without
-    the adapters' sizes the hold takes nothing; after the drain R goes in."""
+    that load nothing (w costs 50 but would lock 260 cached tokens the budget counts as evictable; x1: 150, x2:
+    100; y on a would keep a pinned, 100 + 300 over the 150 left; z's adapter d is not resident; x3's 100 is over
+    the last 50), and takes nothing next batch (its slack is counted again). With backfill off (the default) the
+    hold takes nothing; after the drain R goes in."""
     sizes = {"a": 300, "c": 400, "d": 300}
+    tokens = sizes.__getitem__
     for backfill in (True, False):
-        s = make(PLANS[1], memory_hold_share=0.0)  # one queue; hold from the first batch that finds R blocked
-        tokens = sizes.__getitem__ if backfill else None
+        # one queue; hold from the first batch that finds R blocked
+        s = make(PLANS[1], memory_hold_share=0.0, memory_hold_backfill=backfill)
         resident = {"a"}
         s.add(request("A1", 200, adapter="a"))
         s.add(SchedRequest("B", None, in_len=50, max_new_tokens=50))
@@ -373,6 +374,7 @@ def test_backfill_beside_a_memory_hold_takes_only_the_room_the_held_request_will
         s.add(request("R", 300, adapter="c", arrival=1.0))
         assert s.build_batch(1.0, 400, resident.__contains__, lambda a: False, None, None, tokens) == []
         assert s.queues.get("R").memory_blocked_since == 1.0
+        s.add(SchedRequest("w", None, in_len=285, max_new_tokens=25, cached_len=260, arrival=2.0))
         for rid, size, adapter in [("x1", 150, None), ("y", 100, "a"), ("x2", 100, None), ("z", 100, "d"),
                                    ("x3", 100, None)]:
             s.add(request(rid, size, adapter=adapter, arrival=2.0) if adapter else
