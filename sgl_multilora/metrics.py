@@ -85,6 +85,8 @@ class _Collector:
                             swapper.get(key))
                 counter("refused_loads", "Adapter loads refused for fragmented slots", r,
                         swapper.get("refused_loads"))
+                counter("unreachable_runs", "Refused loads no eviction could give one run (nothing evicted)", r,
+                        swapper.get("unreachable_runs"))
             sched = m.get("scheduler")
             if sched:
                 gauge("queued_requests", "Requests in the multi-queue scheduler's queues", r, sched.get("num_queued"))

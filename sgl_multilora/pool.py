@@ -38,7 +38,7 @@ borrow from the same free slots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -205,6 +205,10 @@ class UnifiedPool:
             return self._num_free
         lens = _free_runs(self._kind)[1]
         return int(lens.max()) if len(lens) else 0
+
+    def kind_mask(self, kinds: Iterable[str]) -> np.ndarray:
+        """A fresh bool array over slot ids: True where the slot is of one of `kinds` (ids tracked only)."""
+        return np.isin(self._kind, [_CODE[kind] for kind in kinds])
 
     def free_ids(self) -> np.ndarray:
         """Every free id, ascending (a fresh array)."""

@@ -71,6 +71,7 @@ class SwapperCounters:
     adapter_loads: int = 0
     prefetches: int = 0
     refused_loads: int = 0  # loads the loader refused (slots it cannot use, e.g. runs too short)
+    unreachable_runs: int = 0  # runs no eviction could free (locked slots in every window): nothing evicted
     kv_prefetched_slots: int = 0  # host KV copied back by the idle swap-in
 
 
@@ -136,6 +137,9 @@ class Swapper:
             raise ExceedsPoolError(f"{n} slots", n, pool.num_slots, pool.slot_bytes)
         if pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run):
             return True
+        if run and not self.run_reachable(run, protect):
+            self.counters.unreachable_runs += 1
+            return False  # evicting would free no run that long: keep the cache for everyone else
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
         wanted = self.wanted() if self.wanted is not None else ()
@@ -166,6 +170,30 @@ class Swapper:
                     if self._adapter_evictable(name, protect):
                         order.push((int(name in wanted), score(self.records[name], now), 1, name, name))
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
+
+    def run_reachable(self, run: int, protect: str | None = None) -> bool:
+        """Whether evicting every candidate could leave `run` consecutive slots free: False when every
+        window of that length holds a slot no eviction frees (running KV, a copy in flight, KV a lock holds,
+        an adapter that is not reclaimable, or `protect`). Without slot ids (the simulator) only the count is
+        known: True. Pure query; walks the locked part of the tree only."""
+        pool = self.pool
+        if not pool.track_ids or run <= 1:
+            return True
+        fixed = pool.kind_mask(("kv_running", "in_flight"))
+        # a lock pins KV ancestors and adapter nodes, never a namespace or base node: the walk starts below those
+        stack = [kv for ns in self.tree.root.children.values() for top in ns.children.values()
+                 for kv in top.children.values() if kv.lock_ref]
+        while stack:
+            node = stack.pop()
+            if node.kind is _KV and node.value:
+                fixed[np.asarray(node.value, dtype=np.int64)] = True
+            stack.extend(child for child in node.children.values() if child.lock_ref)
+        res, namespaces = self.residency, self._lock_scopes()
+        for adapter_id in res.resident_ids():
+            if adapter_id == protect or not self._reclaimable(adapter_id, namespaces):
+                fixed[res.entry(adapter_id).slots.array()] = True
+        edges = np.flatnonzero(np.concatenate(([True], fixed, [True])))
+        return int(np.diff(edges).max()) - 1 >= run
 
     def reachable_slots(self) -> int:
         """Free slots `make_room` could reach by evicting every candidate: free, unlocked KV and reclaimable

@@ -143,7 +143,7 @@ def test_eviction_order_per_policy(policy, order):
     assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
     assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
                                  "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0, "refused_loads": 0,
-                                 "kv_prefetched_slots": 0, "invalid_kv_slots": 0}
+                                 "unreachable_runs": 0, "kv_prefetched_slots": 0, "invalid_kv_slots": 0}
     w.check()
 
 
@@ -385,6 +385,43 @@ def test_a_refused_load_frees_one_run_long_enough_and_retries():
     # LRU: B (never requested) frees [11], still no run of 3; then the oldest KV [0 1] makes [0-3] free
     assert w.log == ["B", [0, 1]]
     assert [r for a, r in w.loader.started if a == "A"] == [((1, 3),)]  # best fit from the top of [0-3]
+    w.loader.done.add("A")
+    w.swapper.poll_loads()
+    w.check()
+
+
+def test_a_refused_load_evicts_nothing_when_locks_leave_no_run_long_enough():
+    """The pool of the story above, but running requests lock the KV at [0 1], [4] and [6-10]: every window of
+    3 slots holds a locked one, so no eviction can give A (3 slots) one run. The refused load is "not now" with
+    the cache intact (B at [11] would otherwise be evicted in vain, as every pass retried); once the lock on [4]
+    goes, [2-5] can be made one run and the retried load evicts in score order until it is."""
+    w = World("lru")
+    w.loader = OneRunLoader()
+    w.swapper.loader = w.loader
+    w.load("B")  # B: [11]
+    w.serve(1.0, None, [1, 2])  # [0 1]
+    w.serve(2.0, None, [3, 4])  # [2 3]
+    w.serve(3.0, None, [5])  # [4]
+    w.serve(4.0, None, [6])  # [5]
+    w.serve(5.0, None, [7, 8, 9, 10, 11])  # [6-10]
+    w.now = 6.0
+    w.tree.evict_leaf(w.tree.match(w.key(None, [3, 4])).last_node, w._free)  # frees [2 3]
+    w.tree.evict_leaf(w.tree.match(w.key(None, [6])).last_node, w._free)  # frees [5]
+    locked = {tuple(t): w.tree.match(w.key(None, t)).last_node for t in ([1, 2], [5], [7, 8, 9, 10, 11])}
+    for node in locked.values():
+        w.tree.lock(node)
+    w.log.clear()
+    assert w.pool.num_free == 3 and w.swapper.reachable_slots() == 4  # by count A fits, even without evicting
+    assert not w.swapper.run_reachable(3) and w.swapper.run_reachable(2)
+    assert not w.swapper.load("A")
+    assert w.loader.refused == [((2, 2), (5, 1))] and w.log == [] and w.residency.is_resident("B")
+    assert w.swapper.counters.unreachable_runs == 1
+    w.check()
+    w.tree.unlock(locked[(5,)])  # [4] evictable: [2-5] can be one free run
+    assert w.swapper.run_reachable(3) and w.swapper.run_reachable(4) and not w.swapper.run_reachable(5)
+    # then eviction is in the policy's order again (LRU: B, never requested, first), until the run is free
+    assert w.swapper.load("A") and w.log == ["B", [4]]
+    assert [r for a, r in w.loader.started if a == "A"] == [((3, 3),)]
     w.loader.done.add("A")
     w.swapper.poll_loads()
     w.check()
