@@ -360,10 +360,9 @@ class OneRunLoader(Loader):
         return super().start(adapter_id, slots)
 
 
-def test_a_refused_load_frees_one_run_long_enough_and_retries():
-    """Fragmented free slots: [2 3] and [5] free (3 slots) is room enough for A (3 slots) by count, but not in
-    one run. The loader refuses the runs; the swapper gives them back (nothing leaks), evicts on in ascending
-    score until a run of 3 is free, and the retried load gets it."""
+def fragmented_world() -> World:
+    """B at [11], base KV at [0 1], [4] and [6-10] (tokens [1 2], [5], [7-11]); [2 3] and [5] free: room for A
+    (3 slots) by count, but in no one run. The loader takes one run only."""
     w = World("lru")
     w.loader = OneRunLoader()
     w.swapper.loader = w.loader
@@ -378,6 +377,14 @@ def test_a_refused_load_frees_one_run_long_enough_and_retries():
     w.tree.evict_leaf(w.tree.match(w.key(None, [3, 4])).last_node, w._free)  # frees [2 3]
     w.tree.evict_leaf(w.tree.match(w.key(None, [6])).last_node, w._free)  # frees [5]
     w.log.clear()
+    return w
+
+
+def test_a_refused_load_frees_one_run_long_enough_and_retries():
+    """Fragmented free slots: [2 3] and [5] free (3 slots) is room enough for A (3 slots) by count, but not in
+    one run. The loader refuses the runs; the swapper gives them back (nothing leaks), evicts on in ascending
+    score until a run of 3 is free, and the retried load gets it."""
+    w = fragmented_world()
     assert w.pool.num_free == 3 and w.pool.largest_free_run() == 2
     assert w.swapper.load("A")
     assert w.loader.refused == [((2, 2), (5, 1))]
@@ -395,22 +402,10 @@ def test_a_refused_load_evicts_nothing_when_locks_leave_no_run_long_enough():
     3 slots holds a locked one, so no eviction can give A (3 slots) one run. The refused load is "not now" with
     the cache intact (B at [11] would otherwise be evicted in vain, as every pass retried); once the lock on [4]
     goes, [2-5] can be made one run and the retried load evicts in score order until it is."""
-    w = World("lru")
-    w.loader = OneRunLoader()
-    w.swapper.loader = w.loader
-    w.load("B")  # B: [11]
-    w.serve(1.0, None, [1, 2])  # [0 1]
-    w.serve(2.0, None, [3, 4])  # [2 3]
-    w.serve(3.0, None, [5])  # [4]
-    w.serve(4.0, None, [6])  # [5]
-    w.serve(5.0, None, [7, 8, 9, 10, 11])  # [6-10]
-    w.now = 6.0
-    w.tree.evict_leaf(w.tree.match(w.key(None, [3, 4])).last_node, w._free)  # frees [2 3]
-    w.tree.evict_leaf(w.tree.match(w.key(None, [6])).last_node, w._free)  # frees [5]
+    w = fragmented_world()
     locked = {tuple(t): w.tree.match(w.key(None, t)).last_node for t in ([1, 2], [5], [7, 8, 9, 10, 11])}
     for node in locked.values():
         w.tree.lock(node)
-    w.log.clear()
     assert w.pool.num_free == 3 and w.swapper.reachable_slots() == 4  # by count A fits, even without evicting
     assert not w.swapper.run_reachable(3) and w.swapper.run_reachable(2)
     assert not w.swapper.load("A")
