@@ -41,6 +41,7 @@ class SchedStats:
     memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
     count in many batches), refreshes, pushed_back, overdue, memory_holds (batches that took
-    nothing while a memory-blocked request waited for room: multiqueue.py), and stops_<reason>
+    nothing while a memory-blocked request waited for room: multiqueue.py), backfills (requests
+    admitted beside a memory hold, with `memory_hold_backfill` on), and stops_<reason>
     (batches in which a queue's scan stopped at a request it could not admit: quota, budget,
     lookahead, bypass, overdue_hold or memory_hold; one per queue and batch)."""
