@@ -102,7 +102,7 @@ def split_hold(name: str) -> tuple[str, float | None]:
     (name, None). Raises ValueError for a share that is not a number >= 0, or a mode without `-hold<X>`."""
     head, sep, tail = name.partition("-hold")
     if not sep:
-        if hold_mode(name, checked=False):
+        if hold_mode(name):
             raise ValueError(f"unknown arm {name!r}: -strict and -backfill follow -hold<X>")
         return name, None
     share, _, rest = tail.partition("-")
@@ -123,10 +123,8 @@ the name kept for the records that ran it with the backfill on by default); `-ba
 `--multilora-hold-backfill`."""
 
 
-def hold_mode(name: str, checked: bool = True) -> str:
-    """"strict", "backfill" or "" (the server's default) for an arm name."""
-    if checked:
-        split_hold(name)
+def hold_mode(name: str) -> str:
+    """"strict", "backfill" or "" (the server's default) for an arm name (`parse_arm` checks the name)."""
     for mode in HOLD_MODES[1:]:
         if f"-{mode}" in name:
             return mode
@@ -339,16 +337,18 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    caps: dict[str, list] = {}  # base -> its arms' (cap, hold share) in order, cap 0 for the common one
+    def setting(arm: str) -> tuple:  # an arm's line style follows its cap (0: the common one) and memory hold
+        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm)
+
+    caps: dict[str, list] = {}  # base -> its arms' settings in order
     for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):
-        base, cap, _ = parse_arm(arm)
-        if (cap or 0, split_hold(arm)[1], hold_mode(arm)) not in caps.setdefault(base, []):
-            caps[base].append((cap or 0, split_hold(arm)[1], hold_mode(arm)))
+        if setting(arm) not in caps.setdefault(parse_arm(arm)[0], []):
+            caps[parse_arm(arm)[0]].append(setting(arm))
     for ax, rate in zip(axes[0], sorted(ttfts)):
         for arm in ordered_arms(ttfts[rate]):
             xs = sorted(ttfts[rate][arm])
-            base, cap, drain = parse_arm(arm)
-            style = CAP_STYLES[caps[base].index((cap or 0, split_hold(arm)[1], hold_mode(arm))) % len(CAP_STYLES)]
+            base, _, drain = parse_arm(arm)
+            style = CAP_STYLES[caps[base].index(setting(arm)) % len(CAP_STYLES)]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS[base],
                     linestyle=style, linewidth=1.0 if drain else 1.6, marker="o" if drain else None,
                     markevery=max(1, len(xs) // 8), markersize=3,
