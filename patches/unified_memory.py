@@ -46,7 +46,7 @@ from sgl_multilora.policy import create_policy
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
 from sgl_multilora.residency import AdapterResidency
-from sgl_multilora.slot_layout import place, slots_needed
+from sgl_multilora.slot_layout import min_run as shortest_run, place, slots_needed
 from sgl_multilora.swapper import WANTED_KV_SCAN, Swapper
 from sgl_multilora.tree import LoraRadixTree
 
@@ -263,6 +263,11 @@ class LiveMemory:
 
     def is_done(self, identity: str) -> bool:
         return True
+
+    def min_run(self, identity: str) -> int:
+        """The shortest run any placement of the adapter needs (its longest matrix in one buffer): the swapper
+        frees a run that long, not one as long as the whole adapter, when the free runs are refused."""
+        return shortest_run(self._shapes[identity], self.half_elems)
 
     def _view(self, layer: int, p) -> torch.Tensor:
         buffer = (self.k_buffers if p.buffer == 0 else self.v_buffers)[layer]

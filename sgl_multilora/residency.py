@@ -22,7 +22,9 @@ class Loader(Protocol):
     """Copies an adapter's weights from the host into its slots; supplied by the caller (the simulator's
     PCIe link, the server's copy stream). `start` begins the copy and returns at once, or returns False to
     refuse slots it cannot use (runs too short for a weight matrix to sit whole in one); `is_done` is a pure
-    query that becomes True once the weights can be read."""
+    query that becomes True once the weights can be read. A loader that refuses may also define
+    `min_run(adapter_id) -> int`, the shortest run any placement of that adapter needs: the swapper then frees a
+    run that long before one as long as the whole adapter."""
 
     def start(self, adapter_id: str, slots: SlotRuns) -> bool | None: ...
     def is_done(self, adapter_id: str) -> bool: ...

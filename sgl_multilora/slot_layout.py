@@ -1,8 +1,9 @@
 """Where an adapter's weight matrices sit inside the KV slots it holds: sizing and placement, plain Python.
 
-Lives here: `slots_needed` (how many token slots an adapter takes) and `place` (each matrix's buffer, slot
-run and element offset for the slot runs the pool handed out). Not here: the slots themselves (`pool.py`),
-the copy and the tensor views (the server's loader), which adapter is resident (`residency.py`).
+Lives here: `slots_needed` (how many token slots an adapter takes), `min_run` (the shortest run a placement
+needs) and `place` (each matrix's buffer, slot run and element offset for the slot runs the pool handed out).
+Not here: the slots themselves (`pool.py`), the copy and the tensor views (the server's loader), which adapter
+is resident (`residency.py`).
 
 A slot of layer l is two rows of `half_elems` elements (kv_heads x head_dim): one in K's buffer, one in V's.
 The slots [a, a + n) of one run are, per layer, two contiguous areas of n x half_elems elements (the rows
@@ -83,6 +84,15 @@ def slots_needed(shapes: Mapping[MatrixKey, Shape], half_elems: int) -> int:
     while any(_pack(m, ((0, 0, n * half_elems), (1, 0, n * half_elems))) is None for m in layers.values()):
         n += 1
     return n
+
+
+def min_run(shapes: Mapping[MatrixKey, Shape], half_elems: int) -> int:
+    """The shortest slot run any placement needs: the largest matrix's rows of one buffer,
+    ceil(numel / half_elems). Free runs all shorter than this can never take the adapter, however many; a run
+    this long can (with enough other room; `place` decides). Raises ValueError as `slots_needed` does."""
+    if half_elems <= 0 or not shapes:
+        raise ValueError(f"need half_elems > 0 and at least one matrix, got {half_elems}, {len(shapes)} matrices")
+    return -(-max(_numel(s) for s in shapes.values()) // half_elems)
 
 
 def place(shapes: Mapping[MatrixKey, Shape], runs: Sequence[tuple[int, int]], half_elems: int

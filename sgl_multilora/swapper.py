@@ -247,12 +247,26 @@ class Swapper:
             if not self.make_room(e.num_slots, protect=adapter_id):
                 return False
         if not self._start(adapter_id):
-            # The loader cannot use the free runs (too short for a weight matrix): free one run that holds the
-            # whole adapter, evicting on in ascending score, and try once more.
-            if not self.make_room(e.num_slots, protect=adapter_id, run=e.num_slots) or not self._start(adapter_id):
+            # The loader cannot use the free runs (too short for a weight matrix). Free a run as long as its
+            # longest matrix needs (when the loader says), evicting on in ascending score, and try again; if
+            # the runs still do not take it, one run that holds the whole adapter (which always does). A run
+            # that cannot be made short cannot be made long either: then "not now".
+            short = self._min_run(adapter_id, e.num_slots)
+            runs = (short, e.num_slots) if self.pool.largest_free_run() < short < e.num_slots else (e.num_slots,)
+            for run in runs:
+                if not self.make_room(e.num_slots, protect=adapter_id, run=run):
+                    return False
+                if self._start(adapter_id):
+                    break
+            else:
                 return False
         self.counters.adapter_loads += 1
         return True
+
+    def _min_run(self, adapter_id: str, num_slots: int) -> int:
+        """The loader's shortest useful run for the adapter (`Loader.min_run`), else the whole adapter."""
+        min_run = getattr(self.loader, "min_run", None)
+        return num_slots if min_run is None else max(1, min(num_slots, int(min_run(adapter_id))))
 
     def poll_loads(self) -> list[str]:
         """Finishes the loads the loader reports done; returns their ids (in the order they started)."""

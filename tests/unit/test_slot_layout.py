@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sgl_multilora.pool import UnifiedPool
-from sgl_multilora.slot_layout import place, slots_needed
+from sgl_multilora.slot_layout import min_run, place, slots_needed
 
 HALF = 12  # elements of one slot's K (or V) row in one layer: kv_heads x head_dim
 
@@ -88,8 +88,24 @@ def test_runs_from_a_fragmented_pool_place_or_refuse_never_overlap(seed):
         pytest.fail("one run of the computed size must always hold the adapter")
 
 
+@pytest.mark.parametrize("rank", [2, 4, 8])
+def test_no_runs_shorter_than_min_run_take_the_adapter_and_a_run_that_long_starts_one(rank):
+    """`min_run` is the longest matrix's rows in one buffer: any number of shorter runs is refused, while a run
+    that long with enough other room places the adapter (the swapper frees such a run before a whole one)."""
+    shapes = lora_shapes(2, rank, {"q": (8, 8), "k": (8, 4), "up": (8, 24), "down": (24, 8)})
+    short, n = min_run(shapes, HALF), slots_needed(shapes, HALF)
+    assert short == -(-24 * rank // HALF) and short < n  # up's B and down's A (24 x rank) are the longest
+    assert place(shapes, [(i * short, short - 1) for i in range(n)], HALF) is None
+    runs = [(0, short)] + [(100 + 50 * i, short) for i in range(n)]  # as many more runs of that length as needed
+    placement = place(shapes, runs, HALF)
+    assert placement is not None
+    write_and_read(shapes, runs, placement, 2, 100 + 50 * n)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         slots_needed({}, HALF)
     with pytest.raises(ValueError):
         slots_needed(lora_shapes(1, 2, {"q": (8, 8)}), 0)
+    with pytest.raises(ValueError):
+        min_run({}, HALF)

@@ -28,6 +28,7 @@ from sgl_multilora.policy.context import AdapterRecord
 from sgl_multilora.policy.usage import UsageStats
 from sgl_multilora.pool import ExceedsPoolError, UnifiedPool
 from sgl_multilora.residency import AdapterResidency
+from sgl_multilora.slot_layout import min_run, place, slots_needed
 from sgl_multilora.swapper import Swapper, _EvictionOrder
 from sgl_multilora.tree import LoraRadixTree
 from sgl_multilora.tree_nodes import Node, NodeKind
@@ -418,6 +419,79 @@ def test_a_refused_load_evicts_nothing_when_locks_leave_no_run_long_enough():
     assert w.swapper.load("A") and w.log == ["B", [4]]
     assert [r for a, r in w.loader.started if a == "A"] == [((3, 3),)]
     w.loader.done.add("A")
+    w.swapper.poll_loads()
+    w.check()
+
+
+class PlacingLoader(Loader):
+    """The server's rule for A: its matrices placed whole in the runs given (`slot_layout.place`, two elements a
+    buffer row), refused when one does not fit. A's longest matrix needs 2 slots of one run, the whole of A 3."""
+
+    HALF_ELEMS = 2
+    SHAPES = {(0, "m", "A"): (2, 2), (0, "m", "B"): (1, 2), (0, "n", "A"): (1, 2), (0, "n", "B"): (2, 1),
+              (0, "o", "A"): (1, 2)}
+
+    def __init__(self, *, one_run: bool = False) -> None:
+        super().__init__()
+        self.refused: list[tuple] = []
+        self.one_run = one_run  # refuse several runs even where `place` would take them (the fallback's story)
+
+    def min_run(self, adapter_id):
+        return min_run(self.SHAPES, self.HALF_ELEMS) if adapter_id == "A" else 1
+
+    def start(self, adapter_id, slots):
+        if adapter_id == "A" and (place(self.SHAPES, slots.runs, self.HALF_ELEMS) is None
+                                  or self.one_run and len(slots.runs) > 1):
+            self.refused.append(slots.runs)
+            return False
+        return super().start(adapter_id, slots)
+
+
+def scattered_world(loader: Loader) -> World:
+    """B at [11]; base KV at [0], [2 3], [5 6] and [8-10] (used at t=1, 3, 5, 7); [1], [4] and [7] free: room
+    for A (3 slots) by count, in runs of one slot only."""
+    w = World("lru")
+    w.loader = w.swapper.loader = loader
+    w.load("B")
+    for t, tokens in enumerate(([1], [2], [3, 4], [5], [6, 7], [8], [9, 10, 11]), start=1):
+        w.serve(float(t), None, tokens)
+    assert w.pool.num_free == 0
+    for tokens in ([2], [5], [8]):
+        w.tree.evict_leaf(w.tree.match(w.key(None, tokens)).last_node, w._free)  # frees [1], [4], [7]
+    w.log.clear()
+    w.now = 8.0
+    return w
+
+
+def test_a_refused_load_frees_only_the_run_its_longest_matrix_needs():
+    """A (3 slots) fits in a run of 2 plus a slot elsewhere: its longest matrix is 2 slots of one run. The three
+    free single slots are refused; the swapper frees a run of 2 (LRU: B, then [0], which joins the free [1]), not
+    one of 3 (that would also evict [2 3]), and the load takes [0 1] and one slot more."""
+    loader = PlacingLoader()
+    assert slots_needed(loader.SHAPES, loader.HALF_ELEMS) == 3 and loader.min_run("A") == 2
+    w = scattered_world(loader)
+    assert w.pool.num_free == 3 and w.pool.largest_free_run() == 1
+    assert w.swapper.load("A")
+    assert loader.refused == [((7, 1), (4, 1), (1, 1))]  # from the top
+    assert w.log == ["B", [0]]
+    (runs,) = [r for a, r in loader.started if a == "A"]
+    assert runs[0] == (0, 2) and len(runs) == 2 and sum(n for _, n in runs) == 3, runs
+    assert w.tree.match(w.key(None, [3, 4])).prefix_len == 2  # the KV a run of 3 would have cost is kept
+    loader.done.add("A")
+    w.swapper.poll_loads()
+    w.check()
+
+
+def test_when_the_short_run_is_refused_too_the_load_frees_a_run_of_the_whole_adapter():
+    """The same pool and a loader that takes one run only, though it names a shorter useful run: the run of 2 is
+    made and refused, then the swapper evicts on ([2 3]) until a run of 3 is free, and the load gets it."""
+    loader = PlacingLoader(one_run=True)
+    w = scattered_world(loader)
+    assert w.swapper.load("A")
+    assert len(loader.refused) == 2 and loader.refused[1][0] == (0, 2)
+    assert w.log == ["B", [0], [2, 3]] and w.swapper.counters.refused_loads == 2
+    assert [r for a, r in loader.started if a == "A"] == [((2, 3),)]
+    loader.done.add("A")
     w.swapper.poll_loads()
     w.check()
 
