@@ -412,8 +412,9 @@ def report(record: dict) -> str:
     for ours in [a for a in arms if a not in baselines]:
         last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
         if last and "lora_batch_skips" in last[-1]:
-            keys = ("adapter_loads", "adapter_evictions", "prefetches", "skipped_admissions", "starvation_holds",
-                    "budget_stops", "lora_batch_skips", "scheduler_counts")
+            keys = ("adapter_loads", "adapter_evictions", "prefetches", "refused_loads", "unreachable_runs",
+                    "kv_evicted_slots", "skipped_admissions", "starvation_holds", "budget_stops", "lora_batch_skips",
+                    "scheduler_counts")
             lines += ["", f"{ours}'s pool and admission counters over the whole run: "
                       + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
     if record.get("plot"):
