@@ -57,7 +57,8 @@ class MultiLoRARadixCache(RadixCache):
         super().__init__(params)
         allocator = self.token_to_kv_pool_allocator
         if isinstance(allocator, UnifiedTokenAllocator):
-            self.memory = LiveMemory(allocator, self.tree, waiting_key=self.waiting_key)
+            self.memory = LiveMemory(allocator, self.tree, waiting_key=self.waiting_key,
+                                     req_to_token_pool=self.req_to_token_pool)
             state = process_state()
             for lora_id, adapter in state.adapters.loaded_items():
                 self.memory.register(lora_id, adapter)

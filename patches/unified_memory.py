@@ -19,6 +19,12 @@ SGLang's own leak check (available + evictable + protected + uncached == total) 
 running request uses and no locked KV depends on count as evictable, the other adapter and in-flight slots as
 protected.
 
+Compaction. Free slots scattered between running requests' KV can be room enough for an adapter by count but in
+runs too short for its matrices; no eviction helps while running KV sits in every window. Without SGLang's overlap
+scheduler (off on CPU), nothing reads the slots between steps, so the swapper moves the KV of the cheapest window
+out instead (`Swapper.compact`): `move_kv` copies K and V and rewrites the request rows in use, the swapper the
+tree's ids; SGLang reads a request's prefix off the tree when it allocates, so nothing else names a slot.
+
 Admission. A request whose adapter is not resident is skipped for this pass (the queue goes on) while the
 swapper makes room and copies it in; the room taken never exceeds what the pass's prefill budget has left, so
 requests already admitted keep their memory. Adapters used by running or just-admitted requests are never
@@ -145,9 +151,11 @@ class LiveMemory:
     """The scheduler process's adapter memory over one `UnifiedTokenAllocator` (see the module docstring)."""
 
     def __init__(self, allocator: UnifiedTokenAllocator, tree: LoraRadixTree,
-                 waiting_key: Callable[[object], MatchKey | None] | None = None) -> None:
+                 waiting_key: Callable[[object], MatchKey | None] | None = None, req_to_token_pool=None) -> None:
         """`waiting_key(req)`: the tree key of the prefix a queued request would reuse, None for none (the radix
-        backend's `MultiLoRARadixCache.waiting_key`); without it the waiting queue's prefixes are not protected."""
+        backend's `MultiLoRARadixCache.waiting_key`); without it the waiting queue's prefixes are not protected.
+        `req_to_token_pool`: SGLang's request rows, rewritten when KV moves (`allow_kv_moves`); without it KV
+        never moves."""
         args = flags.current()
         self.allocator = allocator
         self.pool = allocator.pool
@@ -161,7 +169,9 @@ class LiveMemory:
         tree.score = self.policy
         self.swapper = Swapper(tree, self.pool, self.residency, self.policy, self,
                                idle_watermark=args.idle_watermark, swap_interval_s=args.swap_interval_ms / 1000,
-                               free_kv=allocator.free_cached)
+                               free_kv=allocator.free_cached, value_offset=1)
+        self.req_to_token_pool = req_to_token_pool
+        self.swapper.value_form = self._values_tensor
         self.copy_bytes_per_s = INITIAL_COPY_BYTES_PER_S
         self._host: dict[str, LoadedAdapter] = {}  # identity -> host copy (the registry's weights)
         self._shapes: dict[str, dict] = {}  # identity -> (layer, module, A|B) -> shape
@@ -277,6 +287,44 @@ class LiveMemory:
 
     def _copy_seconds(self, num_bytes: int) -> float:
         return num_bytes / self.copy_bytes_per_s
+
+    # ---- moving KV (compaction) -----------------------------------------------------------------------------
+
+    def allow_kv_moves(self, allowed: bool) -> None:
+        """Whether the swapper may move KV to free a run for an adapter (`Swapper.compact`): only where nothing
+        reads the slots between scheduler steps, i.e. without SGLang's overlap scheduler (whose next batch is
+        built while the last one's forward and results are still pending), and only with the request rows."""
+        movable = allowed and self.req_to_token_pool is not None
+        self.swapper.move_kv = self.move_kv if movable else None
+
+    def move_kv(self, sources: np.ndarray, targets: np.ndarray) -> None:
+        """Copies the KV of slots `sources` into `targets` (every layer's K and V) and rewrites every request row
+        in use that names a source (running requests, a chunked prefill, a session's row). The tree's values are
+        the swapper's to rewrite; the pool already moved the kinds."""
+        src, dst = self._as_kv_indices(sources), self._as_kv_indices(targets)
+        kv = self.allocator.get_kvcache()
+        if src.is_cuda:
+            kv.move_kv_cache(dst, src)  # SGLang's own copy: every layout and scale buffer of its pools
+        else:
+            for k, v in zip(self.k_buffers, self.v_buffers):
+                k[dst] = k[src]
+                v[dst] = v[src]
+        pool = self.req_to_token_pool
+        rows = sorted(set(range(1, pool.req_to_token.shape[0])) - set(pool.free_slots))
+        if rows:
+            lut = torch.arange(self.k_buffers[0].shape[0], dtype=torch.int64, device=src.device)
+            lut[src] = dst
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=pool.req_to_token.device)
+            table = pool.req_to_token
+            table[rows_t] = lut[table[rows_t].long()].to(table.dtype)
+
+    def _values_tensor(self, values: list[int]) -> torch.Tensor:
+        """A tree node's KV indices as its `value_cache` (what the radix backend inserts: int64 on the device)."""
+        return torch.tensor(values, dtype=torch.int64, device=self.k_buffers[0].device)
+
+    def _as_kv_indices(self, ids) -> torch.Tensor:
+        """Slot ids (an array or a list) as SGLang's KV indices (slot + 1), an int64 tensor on the KV device."""
+        return torch.as_tensor(np.asarray(ids, dtype=np.int64) + 1).to(self.k_buffers[0].device)
 
     # ---- serving --------------------------------------------------------------------------------------------
 

@@ -23,7 +23,9 @@ short, so an allocation or a release costs array operations on its own ids, neve
 that is freed stays out of use until the next merge, then the lowest ids go first again). An adapter's run is
 found from the per-slot kind array when it is allocated: contiguous only if some free run is long enough;
 `largest_free_run()` says whether one is; otherwise the pool hands out the fewest runs (largest first) and a
-reader must gather per run (as S-LoRA's kernels do). Kinds, at every step:
+reader must gather per run (as S-LoRA's kernels do). A run can also be made by moving KV rather than evicting it:
+`cheapest_window` finds the window holding the fewest used slots and no blocked one (adapters, copies in flight),
+`evacuate` moves what it holds to the lowest free ids outside it (the caller copies the KV and renames the ids). Kinds, at every step:
 free + adapter + kv_cached + kv_running + in_flight == num_slots.
 `in_flight` is reserved for a host->device copy not finished (an adapter's weights, KV coming back).
 
@@ -270,6 +272,44 @@ class UnifiedPool:
         if n:
             self.release(kind, np.flatnonzero(self._kind == _CODE[kind]) if self.track_ids else n)
         return n
+
+    def cheapest_window(self, run: int, blocked: np.ndarray) -> int | None:
+        """First id of the window of `run` consecutive ids with no `blocked` slot and the fewest used ones (what
+        `evacuate` would move out of it; ties: the highest window, away from the KV at the front), or None when
+        there is none or fewer than `run` slots are free (the used ones must have somewhere to go). Pure query,
+        ids tracked only; O(num_slots) array work."""
+        assert self.track_ids, "a pool without slot ids has no windows"
+        if run <= 0 or run > self.num_slots or self._num_free < run:
+            return None
+        used = np.concatenate(([0], np.cumsum(self._kind != _FREE)))
+        stuck = np.concatenate(([0], np.cumsum(blocked)))
+        in_window, stuck_in = used[run:] - used[:-run], stuck[run:] - stuck[:-run]
+        cost = np.where(stuck_in == 0, in_window, self.num_slots + 1)
+        best = int(cost.min())
+        if best > self.num_slots:
+            return None
+        return int(np.flatnonzero(cost == best)[-1])
+
+    def evacuate(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Frees the window [start, start + length) by moving each used slot in it to the lowest free id outside
+        it; the target takes its source's kind. Returns (sources, targets), aligned, ascending by source: the
+        caller copies the contents and rewrites whatever names the old ids. Counts per kind do not change.
+        Needs `length` free slots in all (`cheapest_window` checks it); ids tracked only."""
+        assert self.track_ids, "a pool without slot ids has no slots to move"
+        assert 0 <= start and start + length <= self.num_slots, f"window [{start}, {start + length}) off the pool"
+        sources = start + np.flatnonzero(self._kind[start:start + length] != _FREE)
+        if not len(sources):
+            return _NO_IDS, _NO_IDS
+        free = self.free_ids()
+        free = free[(free < start) | (free >= start + length)]
+        assert len(free) >= len(sources), f"{len(sources)} slots to move, {len(free)} free outside the window"
+        targets = free[:len(sources)]
+        self._kind[targets] = self._kind[sources]
+        self._kind[sources] = _FREE
+        self._drop_taken()
+        self._freed.append(sources)
+        self.num_releases += 1
+        return sources, targets
 
     # ---- invariants ------------------------------------------------------------------------------
 

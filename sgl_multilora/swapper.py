@@ -10,6 +10,9 @@ running request uses and no resident KV depends on, lowest score first (ELORA's 
 KV leaf may make its parent a leaf, or its adapter (its parent, or the adapter an aLoRA suffix depends on) free of
 dependents: those join the order. So the resident set stays closed under dependency at every instant: no
 resident KV of a non-resident adapter (invalid KV == 0), no locked node and no used adapter ever evicted.
+A load the loader refuses for scattered free slots (a weight matrix must sit whole in one run) gets a run: by
+moving KV out of the window that holds the least of it when the owner can move KV (`compact`, a copy: running
+requests keep their KV, the cache loses nothing), else by evicting in the same order until one is free.
 Idle (`tick`): every `swap_interval_s`, while used slots are below `idle_watermark` of the pool, absent
 adapters start loading in descending score, stopping before one would cross the watermark (or at one the loader
 refused, not retried until the pool frees some slot: between releases the free runs only shrink), then the host
@@ -73,6 +76,8 @@ class SwapperCounters:
     refused_loads: int = 0  # loads the loader refused (slots it cannot use, e.g. runs too short)
     unreachable_runs: int = 0  # runs no eviction could free (locked slots in every window): nothing evicted
     kv_prefetched_slots: int = 0  # host KV copied back by the idle swap-in
+    kv_compactions: int = 0  # runs freed for an adapter by moving KV out of a window (`compact`)
+    kv_moved_slots: int = 0  # KV slots those moves copied
 
 
 class Swapper:
@@ -81,13 +86,17 @@ class Swapper:
     `residency.usage` must be set: adapters are scored by their `AdapterRecord`. `free_kv(values)` gives an
     evicted KV run's slots back (default: `pool.release("kv_cached", values)`); `on_evict_kv(node)` runs just
     before a KV leaf is evicted (a host tier copies it out); `kv_prefetch(slots)` copies host KV back into at
-    most `slots` free slots, never evicting, and returns the slots it used. The clock is the tree's.
+    most `slots` free slots, never evicting, and returns the slots it used. The clock is the tree's. The tree's
+    values are slot ids plus `value_offset` (SGLang's KV index is slot + 1). `move_kv(sources, targets)`, set by
+    an owner while KV may move (no forward reads the slots between steps), copies KV between slot ids and rewrites
+    what outside the tree names them; `value_form` rebuilds a node's `value_cache` after a move (see `compact`).
     """
 
     def __init__(self, tree: LoraRadixTree, pool: UnifiedPool, residency: AdapterResidency,
                  policy: BasePolicy, loader: Loader, *, dependency: bool = True, prefetch: bool = True,
                  headroom_frac: float = 0.01, idle_watermark: float = 0.7, swap_interval_s: float = 0.1,
-                 free_kv: FreeFn | None = None, on_evict_kv: Callable[[Node], object] | None = None) -> None:
+                 free_kv: FreeFn | None = None, on_evict_kv: Callable[[Node], object] | None = None,
+                 value_offset: int = 0) -> None:
         if residency.usage is None:
             raise ValueError("the swapper scores adapters by their usage records: give the residency a usage")
         if not 0.0 <= idle_watermark <= 1.0 or headroom_frac < 0 or swap_interval_s <= 0:
@@ -102,6 +111,9 @@ class Swapper:
         self.swap_interval_s = swap_interval_s
         self.free_kv = free_kv if free_kv is not None else self._release_kv
         self.on_evict_kv = on_evict_kv
+        self.value_offset = value_offset
+        self.move_kv: Callable[[np.ndarray, np.ndarray], object] | None = None
+        self.value_form: Callable[[list[int]], object] | None = None
         self.kv_prefetch: Callable[[int], int] | None = None
         self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
         self._waiting_keys: Callable[[], Iterable[MatchKey]] | None = None  # see set_waiting
@@ -186,7 +198,7 @@ class Swapper:
         while stack:
             node = stack.pop()
             if node.kind is _KV and node.value:
-                fixed[np.asarray(node.value, dtype=np.int64)] = True
+                fixed[np.asarray(node.value, dtype=np.int64) - self.value_offset] = True
             stack.extend(child for child in node.children.values() if child.lock_ref)
         res, namespaces = self.residency, self._lock_scopes()
         for adapter_id in res.resident_ids():
@@ -194,6 +206,30 @@ class Swapper:
                 fixed[res.entry(adapter_id).slots.array()] = True
         edges = np.flatnonzero(np.concatenate(([True], fixed, [True])))
         return int(np.diff(edges).max()) - 1 >= run
+
+    def compact(self, run: int) -> bool:
+        """Frees `run` consecutive slots by moving KV, running or cached, locked or not, out of the window that
+        holds the least of it (`UnifiedPool.cheapest_window`) into the lowest free slots outside it: the owner
+        copies the KV and rewrites the request rows (`move_kv`), the tree's ids are rewritten here. Adapter
+        weights and copies in flight stay put (a window holds none), so no view of an adapter changes. True once
+        such a run is free; False, nothing moved, without `move_kv` or slot ids, when every window holds an
+        adapter or a copy in flight, or when fewer than `run` slots are free."""
+        pool = self.pool
+        if pool.track_ids and pool.largest_free_run() >= run:
+            return True
+        if self.move_kv is None or not pool.track_ids:
+            return False
+        start = pool.cheapest_window(run, pool.kind_mask(("adapter", "in_flight")))
+        if start is None:
+            return False
+        sources, targets = pool.evacuate(start, run)
+        if len(sources):
+            self.move_kv(sources, targets)
+            off = self.value_offset
+            self.tree.remap_values(dict(zip((sources + off).tolist(), (targets + off).tolist())), self.value_form)
+            self.counters.kv_moved_slots += len(sources)
+        self.counters.kv_compactions += 1
+        return True
 
     def reachable_slots(self) -> int:
         """Free slots `make_room` could reach by evicting every candidate: free, unlocked KV and reclaimable
@@ -248,13 +284,14 @@ class Swapper:
                 return False
         if not self._start(adapter_id):
             # The loader cannot use the free runs (too short for a weight matrix). Free a run as long as its
-            # longest matrix needs (when the loader says), evicting on in ascending score, and try again; if
-            # the runs still do not take it, one run that holds the whole adapter (which always does). A run
+            # longest matrix needs (when the loader says) and try again; if the runs still do not take it, one
+            # run that holds the whole adapter (which always does). A run is freed by moving KV out of a window
+            # when KV may move (`compact`: a copy, nothing lost), else by evicting on in ascending score. A run
             # that cannot be made short cannot be made long either: then "not now".
             short = self._min_run(adapter_id, e.num_slots)
             runs = (short, e.num_slots) if self.pool.largest_free_run() < short < e.num_slots else (e.num_slots,)
             for run in runs:
-                if not self.make_room(e.num_slots, protect=adapter_id, run=run):
+                if not (self.compact(run) or self.make_room(e.num_slots, protect=adapter_id, run=run)):
                     return False
                 if self._start(adapter_id):
                     break

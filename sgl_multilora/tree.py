@@ -297,6 +297,12 @@ class LoraRadixTree:
             raise ValueError(f"evict_leaf needs an unlocked KV leaf of this tree, got {node}")
         return self._store.evict_leaf(node, free_fn)
 
+    def remap_values(self, mapping: dict[int, int], form: Callable[[list[int]], object] | None = None) -> int:
+        """After the owner of the slots moved some (KV compaction): every cached slot id `old` in `mapping` reads
+        `mapping[old]` from now on; `form` rebuilds a node's `value_cache` in its inserter's form (the server's
+        int64 tensor), without one the cache is dropped. Returns the nodes changed; nothing else changes."""
+        return self._store.remap_values(mapping, form)
+
     def prefix_node_ids(self, keys: Iterable[MatchKey]) -> set[int]:
         """Ids of the KV nodes holding any of the cached prefixes of `keys`: each key's match (with
         `touch=False`, so a pure query) ends at a node, and that node and its KV ancestors hold the

@@ -14,7 +14,7 @@ would keep them in another class's attributes. `LoraRadixTree` holds one `NodeSt
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from sgl_multilora.keys import AdapterRef, Namespace
 from sgl_multilora.tree_nodes import AloraEdge, FreeFn, HitKind, Node, NodeKind
@@ -294,6 +294,23 @@ class NodeStore:
         node.parent = None
         free_fn(values if cache is None else cache)
         return num_tokens
+
+    def remap_values(self, mapping: dict[int, int], form: Callable[[list[int]], object] | None) -> int:
+        """Rewrites slot ids through `mapping` (old -> new; ids it does not name stay) in every KV node: a node
+        whose ids change gets a new list and, if it kept a `value_cache`, `form(new list)` (None without a form).
+        Returns the nodes changed. Keys, lengths, locks and the leaf set do not change. O(cached tokens)."""
+        changed, moved = 0, mapping.keys()
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.kind is not _KV or moved.isdisjoint(node.value):
+                continue
+            node.value = [mapping.get(v, v) for v in node.value]
+            if node.value_cache is not None:
+                node.value_cache = None if form is None else form(node.value)
+            changed += 1
+        return changed
 
     # ---- private edits ---------------------------------------------------------------------------
 

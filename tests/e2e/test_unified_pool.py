@@ -126,6 +126,9 @@ def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adap
     swapper = pool["swapper"]
     assert swapper["adapter_evictions"] > 0 and swapper["adapter_loads"] + swapper["prefetches"] > NUM_ADAPTERS, pool
     assert swapper["invalid_kv_slots"] == 0, pool
+    # Loads refused for scattered free slots moved KV out of a window (no overlap scheduler on CPU): the outputs
+    # above, PEFT's to the token, were served with KV that moved under running requests (17 moves in 20 refusals).
+    assert swapper["refused_loads"] == 0 or swapper["kv_compactions"] > 0, swapper
     slots = pool["slots"]
     assert slots["kv_running"] == 0 and slots["in_flight"] == 0, slots
     assert slots["free"] + slots["adapter"] + slots["kv_cached"] == pool["num_slots"] == m["total"], slots

@@ -407,3 +407,54 @@ def test_room_without_a_running_request_is_what_retracting_it_gives_back(world):
     assert predicted >= need and memory.ensure_resident(ident["c"], budget=None)
     assert memory.residency.is_resident(ident["b"])  # still running
     memory.check_invariants()
+
+
+def test_a_load_refused_for_scattered_kv_moves_the_kv_out_of_one_window(world):
+    """Running requests' KV in every other slot: no eviction can free a run for an adapter's matrices (a locked or
+    running slot sits in every window), so without moves the load is "not now". With moves allowed (no overlap
+    scheduler), the swapper moves the KV out of the cheapest window: the adapter goes in, nothing is evicted, and
+    every request row and tree path still reads the same K and V bytes from SGLang's buffers."""
+    kv, allocator, tree, memory, adapters, clock = world
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    rows = ReqToTokenPool(4, 128, "cpu", False)
+    memory.req_to_token_pool = rows
+    ident_b = adapters["b"].spec.identity
+    every = allocator.alloc(SLOTS)  # KV in every slot, then every other slot freed: runs of one free slot
+    for layer in range(LAYERS):
+        kv.k_buffer[layer][every] = torch.randn(SLOTS, HEADS, DIM)
+        kv.v_buffer[layer][every] = torch.randn(SLOTS, HEADS, DIM)
+    allocator.free(every[1::2])
+    # request R: a 6-token prompt the tree caches (locked by R), then its own decode KV; the prompt sits in the
+    # top slots, where the cheapest window is (ties go high), so the tree's ids move too
+    kept = torch.cat([every[0::2][-6:], every[0::2][:-6]])
+    prompt, own = kept[:6].tolist(), kept[6:]
+    node = tree.insert(MatchKey(NS, None, [7, 8, 9, 10, 11, 12]), torch.tensor(prompt)).last_node
+    allocator.mark_cached(prompt)
+    tree.lock(node)
+    row = rows.free_slots.pop()
+    rows.req_to_token[row, :len(kept)] = kept.to(torch.int32)
+    before = [(kv.k_buffer[layer][kept].clone(), kv.v_buffer[layer][kept].clone()) for layer in range(LAYERS)]
+    need = memory.residency.entry(ident_b).num_slots
+    assert 1 < memory.min_run(ident_b) <= need <= allocator.available_size()
+
+    memory.allow_kv_moves(False)  # as under SGLang's overlap scheduler
+    assert not memory.ensure_resident(ident_b, budget=None)
+    counters = memory.swapper.counters
+    assert counters.refused_loads == 1 and counters.unreachable_runs == 1 and counters.kv_compactions == 0
+
+    memory.allow_kv_moves(True)
+    assert memory.ensure_resident(ident_b, budget=None)
+    assert counters.kv_compactions >= 1 and 0 < counters.kv_moved_slots <= need
+    assert counters.kv_evictions == 0 and allocator.pool.num_of("kv_running") == len(own)
+    assert_weights_in_place(memory, adapters["b"])
+    moved_row = rows.req_to_token[row, :len(kept)].long()
+    assert not torch.equal(moved_row, kept), "nothing of the request's KV moved"
+    path = memory.swapper.tree.match(MatchKey(NS, None, [7, 8, 9, 10, 11, 12])).last_node
+    assert path is node and torch.equal(node.value_cache, moved_row[:6]) and node.value == moved_row[:6].tolist()
+    assert node.value != prompt, "the cached prompt did not move"
+    for layer, (k, v) in enumerate(before):
+        assert torch.equal(kv.k_buffer[layer][moved_row], k) and torch.equal(kv.v_buffer[layer][moved_row], v)
+    assert allocator.pool.by_kind()["kv_cached"] == tree.total_len() == 6
+    tree.check_invariants()
+    memory.check_invariants()

@@ -179,3 +179,30 @@ def _free_runs_of(num_slots: int, held: dict) -> list[tuple[int, int]]:
             runs.append((start, s - start))
             start = None
     return runs
+
+
+def test_evacuating_the_cheapest_window_moves_its_kv_to_the_lowest_free_ids_outside_it():
+    """KV at [0 1], [4] and [6-10], an adapter at [11], [2 3] and [5] free. A free run of 3 costs the fewest moves
+    in [1-3], [2-4] or [3-5] (one used slot each); ties go to the highest window, away from the KV at the front.
+    No window may hold the adapter, and a run longer than the free count has nowhere to send what it holds."""
+    pool = UnifiedPool(12, slot_bytes=100)
+    assert pool.alloc("adapter", 1, contiguous=True).runs == ((11, 1),)
+    kv = pool.alloc("kv_running", 11).ids()
+    pool.move("kv_running", "kv_cached", kv[:2])
+    pool.release("kv_running", [2, 3, 5])
+    blocked = pool.kind_mask(("adapter", "in_flight"))
+    assert pool.cheapest_window(3, blocked) == 3
+    assert pool.cheapest_window(2, blocked) == 2  # [2 3] is free already: nothing to move
+    assert pool.cheapest_window(4, blocked) is None  # 3 free slots cannot take a window of 4
+    assert pool.cheapest_window(3, pool.kind_mask(("adapter", "kv_running"))) == 1  # only [1-3] holds none
+    assert pool.cheapest_window(3, pool.kind_mask(("adapter", "kv_running", "kv_cached"))) is None
+    sources, targets = pool.evacuate(3, 3)
+    assert sources.tolist() == [4] and targets.tolist() == [2]
+    assert pool.largest_free_run() == 3 and pool.free_ids().tolist() == [3, 4, 5]
+    assert kinds(pool) == {"adapter": 1, "kv_cached": 2, "kv_running": 6, "in_flight": 0, "free": 3}
+    assert pool.alloc("kv_running", 3).ids() == [3, 4, 5]  # the free list took the window back
+    pool.release("kv_running", [6, 7, 8, 9, 10, 3, 4, 5])
+    sources, targets = pool.evacuate(0, 2)  # cached KV keeps its kind where it lands
+    assert sources.tolist() == [0, 1] and targets.tolist() == [3, 4]
+    assert pool.kind_mask(("kv_cached",)).nonzero()[0].tolist() == [3, 4]
+    kinds(pool)

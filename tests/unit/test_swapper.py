@@ -144,7 +144,8 @@ def test_eviction_order_per_policy(policy, order):
     assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
     assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
                                  "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0, "refused_loads": 0,
-                                 "unreachable_runs": 0, "kv_prefetched_slots": 0, "invalid_kv_slots": 0}
+                                 "unreachable_runs": 0, "kv_prefetched_slots": 0, "kv_compactions": 0,
+                                 "kv_moved_slots": 0, "invalid_kv_slots": 0}
     w.check()
 
 
@@ -421,6 +422,45 @@ def test_a_refused_load_evicts_nothing_when_locks_leave_no_run_long_enough():
     w.loader.done.add("A")
     w.swapper.poll_loads()
     w.check()
+
+
+def test_with_kv_moves_a_refused_load_moves_the_kv_of_the_cheapest_window_and_evicts_nothing():
+    """The locked pool of the story above, where no eviction can give A one run of 3: with an owner that can move
+    KV, the swapper moves it out of the window holding the least of it ([3-5]: the locked [4], ties to the
+    highest) into the lowest free slot outside ([2]), rewrites the tree's ids, and A takes [3-5]. Nothing is
+    evicted, the locks hold, and every request still finds its KV (at its new id)."""
+    w = fragmented_world()
+    for t in ([1, 2], [5], [7, 8, 9, 10, 11]):
+        w.tree.lock(w.tree.match(w.key(None, t)).last_node)
+    moves = []
+    w.swapper.move_kv = lambda sources, targets: moves.append((sources.tolist(), targets.tolist()))
+    assert w.swapper.load("A")
+    assert moves == [([4], [2])] and w.log == [] and w.residency.is_resident("B")
+    assert [r for a, r in w.loader.started if a == "A"] == [((3, 3),)]
+    assert w.tree.match(w.key(None, [5])).kv_values == [2] and w.tree.match(w.key(None, [5])).last_node.lock_ref
+    assert w.tree.match(w.key(None, [1, 2])).kv_values == [0, 1]
+    c = w.swapper.counters
+    assert (c.kv_compactions, c.kv_moved_slots, c.kv_evictions, c.unreachable_runs) == (1, 1, 0, 0)
+    w.loader.done.add("A")
+    w.swapper.poll_loads()
+    w.check()
+    w.tree.check_invariants()
+
+
+def test_locked_kv_is_found_at_its_slot_when_tree_values_are_offset():
+    """The server's tree holds SGLang's KV indices (slot + 1): `run_reachable` reads a locked node's slots through
+    `value_offset`, so the KV in the last slot is found there (not one past the pool) and the windows are exact."""
+    pool = UnifiedPool(4, slot_bytes=100)
+    usage = UsageStats({}, 100, 1e-4, lambda num_bytes: 0.0)
+    tree = LoraRadixTree()
+    swapper = Swapper(tree, pool, AdapterResidency(pool, {}, usage), create_policy("lru", context=usage),
+                      Loader(), value_offset=1)
+    for tokens in ([10, 11], [20, 21]):
+        ids = pool.alloc("kv_running", 2).ids()
+        tree.insert(MatchKey(NS, None, tokens), [i + 1 for i in ids])
+        pool.move("kv_running", "kv_cached", ids)
+    tree.lock(tree.match(MatchKey(NS, None, [20, 21])).last_node)  # slots [2 3], KV indices 3 and 4
+    assert swapper.run_reachable(2) and not swapper.run_reachable(3)
 
 
 class PlacingLoader(Loader):

@@ -328,3 +328,21 @@ def test_array_tokens_and_tensor_values_keep_value_cache_in_step(clock):
     assert sorted(t.tolist() for t in freed) == [[13, 14], [23, 24]]
     assert all(isinstance(t, torch.Tensor) for t in freed)
     tree.check_invariants()
+
+
+def test_remap_values_rewrites_moved_slot_ids_and_nothing_else(tree):
+    """KV compaction: the slot ids the owner moved read their new ids in every node holding them (the inserter's
+    `value_cache` rebuilt by `form`); keys, matches, locks and lengths stay as they were."""
+    tree.insert(base([5, 6, 7]), [10, 11, 12])
+    tree.insert(base([5, 6, 8]), [10, 11, 13])  # splits [5 6 | 7]
+    tree.insert(lora(A, [1, 2]), [20, 21])
+    node = tree.match(lora(A, [1, 2])).last_node
+    tree.lock(node)
+    before = (tree.evictable_len(), tree.protected_len(), tree.stats().num_kv_nodes)
+    changed = tree.remap_values({11: 3, 13: 4, 21: 5, 99: 6}, form=tuple)
+    assert changed == 3  # [10 11], [13] and A's [20 21]; [12] holds no moved id
+    assert tree.match(base([5, 6, 7])).kv_values == [10, 3, 12]
+    assert tree.match(base([5, 6, 8])).kv_values == [10, 3, 4]
+    assert tree.match(lora(A, [1, 2])).kv_values == [20, 5] and node.lock_ref == 1
+    assert (tree.evictable_len(), tree.protected_len(), tree.stats().num_kv_nodes) == before
+    tree.check_invariants()
