@@ -87,6 +87,8 @@ class MultiLoRAArgs:
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
+    # Never move KV to free a run for an adapter (compaction); eviction alone frees runs then.
+    disable_kv_moves: bool = False
     # Keep SGLang's overlap scheduler on --device cpu (turned off there otherwise: nothing overlaps the forward).
     cpu_overlap: bool = False
     # Set at parse time: the radix-cache backend is ours (the unified pool needs it).
@@ -240,6 +242,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.check_invariants,
         help="Test mode: check the LoRA-aware tree's invariants after every scheduler step (slow; a violation "
         "stops the server with the failed invariant).",
+    )
+    group.add_argument(
+        "--multilora-disable-kv-moves",
+        action="store_true",
+        default=MultiLoRAArgs.disable_kv_moves,
+        help="Unified pool: never move KV between slots. By default, when an adapter's matrices do not fit the "
+        "free slots scattered between running requests' KV, the KV of the window holding the least of it is copied "
+        "elsewhere (between scheduler steps, only without the overlap scheduler) rather than evicted or waited "
+        "out. For comparison.",
     )
     group.add_argument(
         "--multilora-cpu-overlap",

@@ -16,6 +16,8 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
 - `ours-mq[-cap<N>]-hold<X>[-strict|-backfill]` (optional, before `-drain`): the multi-queue arm with
   `--multilora-memory-hold-share X` (0: never hold), `-backfill` with `--multilora-hold-backfill` too (`-strict`:
   without, the default), to weigh the memory hold and its backfill against the defaults in one run.
+- `<arm>-nomove` (optional, ours and ours-mq, before `-drain`): that arm with `--multilora-disable-kv-moves`: runs for
+  an adapter's matrices are freed by eviction only, never by moving KV, to weigh the moves in one run.
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
   cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
   pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
@@ -99,7 +101,9 @@ ARM_BASES = ("stock", "ours", "ours-mq")
 
 def split_hold(name: str) -> tuple[str, float | None]:
     """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
-    (name, None). Raises ValueError for a share that is not a number >= 0, or a mode without `-hold<X>`."""
+    (name, None); a `-nomove` is dropped first. Raises ValueError for a share that is not a number >= 0, or a mode
+    without `-hold<X>`."""
+    name = name.replace("-nomove", "", 1)
     head, sep, tail = name.partition("-hold")
     if not sep:
         if hold_mode(name):
@@ -131,16 +135,25 @@ def hold_mode(name: str) -> str:
     return ""
 
 
+def no_kv_moves(name: str) -> bool:
+    """Whether the arm runs with `--multilora-disable-kv-moves` (`-nomove` in its name)."""
+    return "-nomove" in name
+
+
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-drain]` -> (base, cap or None for the common one, drainer on);
-    `-hold<X>` (`split_hold`) only on `ours-mq`. Raises ValueError for any other name."""
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-drain]` -> (base, cap or None for the common one,
+    drainer on); `-hold<X>` (`split_hold`) only on `ours-mq`, `-nomove` (`no_kv_moves`) not on `stock`. Raises
+    ValueError for any other name."""
+    moves_off = no_kv_moves(name)
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
     if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
             hold is not None and base != "ours-mq"):
-        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-drain], base one of "
-                         f"{', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-drain], base "
+                         f"one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
+    if moves_off and base == "stock":
+        raise ValueError(f"unknown arm {name!r}: -nomove is an arm of ours (stock SGLang never moves KV)")
     return base, int(cap) if cap else None, drain
 
 
@@ -166,6 +179,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
             extra += ["--multilora-memory-hold-share", f"{hold:g}"]
         if hold_mode(name) == "backfill":
             extra += ["--multilora-hold-backfill"]
+    if no_kv_moves(name):
+        extra += ["--multilora-disable-kv-moves"]
     if drain:
         extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
     return tokens, extra
@@ -315,7 +330,7 @@ def ordered_arms(names) -> list[str]:
     def key(name):
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
-        return ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), drain
+        return ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name), drain
 
     return sorted(names, key=key)
 
@@ -338,7 +353,7 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     def setting(arm: str) -> tuple:  # an arm's line style follows its cap (0: the common one) and memory hold
-        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm)
+        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm), no_kv_moves(arm)
 
     caps: dict[str, list] = {}  # base -> its arms' settings in order
     for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):

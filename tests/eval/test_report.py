@@ -244,6 +244,13 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
                 "ours-mq-hold1-strict-backfill"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
+    # -nomove: an arm of ours without KV moves, with any other option
+    assert parse_arm("ours-mq-cap8-nomove") == ("ours-mq", 8, False)
+    assert parse_arm("ours-mq-cap8-hold0.5-strict-nomove-drain") == ("ours-mq", 8, True)
+    with pytest.raises(ValueError, match="unknown arm"):
+        parse_arm("stock-cap6-nomove")
+    assert ordered_arms({"ours-mq-cap8-nomove", "ours-mq-cap8", "stock"}) == [
+        "stock", "ours-mq-cap8", "ours-mq-cap8-nomove"]
     arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-backfill", "ours-mq-cap8-hold0.5-strict",
             "ours-mq-cap8-hold0", "ours-mq-cap8"}
     assert ordered_arms(arms) == ["ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5-backfill",
@@ -265,6 +272,9 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
         "--multilora-memory-hold-share", "0.5", "--multilora-hold-backfill"]
     assert arm_spec("ours-mq-cap8-hold0.5-strict", args, workload, 64)[1][-2:] == [
         "--multilora-memory-hold-share", "0.5"]
+    assert arm_spec("ours-mq-cap8-hold0.5-nomove", args, workload, 64)[1][-3:] == [
+        "--multilora-memory-hold-share", "0.5", "--multilora-disable-kv-moves"]
+    assert "--multilora-disable-kv-moves" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
         arm_spec("stock-cap40", args, workload, 64)
 

@@ -101,6 +101,8 @@ def test_memory_flags(monkeypatch):
     assert not flags.MultiLoRAArgs().hold_backfill  # a hold admits nothing else by default
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-hold-backfill"])
     assert flags.pop_from_namespace(ns).hold_backfill
+    assert not flags.MultiLoRAArgs().disable_kv_moves  # KV moves to free a run for an adapter by default
+    assert flags.pop_from_namespace(parser().parse_args(["--multilora-disable-kv-moves"])).disable_kv_moves
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:
