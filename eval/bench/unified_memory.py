@@ -18,6 +18,9 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   without, the default), to weigh the memory hold and its backfill against the defaults in one run.
 - `<arm>-nomove` (optional, ours and ours-mq, before `-drain`): that arm with `--multilora-disable-kv-moves`: runs for
   an adapter's matrices are freed by eviction only, never by moving KV, to weigh the moves in one run.
+- `<arm>-host<GB>` (optional, ours and ours-mq, before `-drain`): that arm with a host tier of GB for the KV its
+  pool evicts (`--multilora-host-kv-gb`). More memory than the other arms are given on the device: the report names
+  it, and a fair stock counterpart is SGLang's HiCache with the same host memory (which does not start on CPU).
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
   cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
   pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
@@ -41,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import time
@@ -101,9 +105,9 @@ ARM_BASES = ("stock", "ours", "ours-mq")
 
 def split_hold(name: str) -> tuple[str, float | None]:
     """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
-    (name, None); a `-nomove` is dropped first. Raises ValueError for a share that is not a number >= 0, or a mode
-    without `-hold<X>`."""
-    name = name.replace("-nomove", "", 1)
+    (name, None); `-nomove` and `-host<GB>` are dropped first. Raises ValueError for a share that is not a number
+    >= 0, or a mode without `-hold<X>`."""
+    name = _without_options(name)
     head, sep, tail = name.partition("-hold")
     if not sep:
         if hold_mode(name):
@@ -140,20 +144,41 @@ def no_kv_moves(name: str) -> bool:
     return "-nomove" in name
 
 
+def host_gb(name: str) -> float | None:
+    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
+    number > 0."""
+    match = _HOST.search(name)
+    if match is None:
+        return None
+    value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
+    if value <= 0:
+        raise ValueError(f"unknown arm {name!r}: -host<GB> takes a host tier size GB > 0")
+    return value
+
+
+_HOST = re.compile(r"-host([^-]*)")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
+
+
+def _without_options(name: str) -> str:
+    """The arm name without its `-nomove` and `-host<GB>` parts (the rest of the grammar is positional)."""
+    return _HOST.sub("", name.replace("-nomove", "", 1), count=1)
+
+
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-drain]` -> (base, cap or None for the common one,
-    drainer on); `-hold<X>` (`split_hold`) only on `ours-mq`, `-nomove` (`no_kv_moves`) not on `stock`. Raises
-    ValueError for any other name."""
-    moves_off = no_kv_moves(name)
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-drain]` -> (base, cap or None for the
+    common one, drainer on); `-hold<X>` (`split_hold`) only on `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>`
+    (`host_gb`) not on `stock`. Raises ValueError for any other name."""
+    ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
     if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
             hold is not None and base != "ours-mq"):
-        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-drain], base "
-                         f"one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
-    if moves_off and base == "stock":
-        raise ValueError(f"unknown arm {name!r}: -nomove is an arm of ours (stock SGLang never moves KV)")
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-host<GB>]"
+                         f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
+    if ours_only and base == "stock":
+        raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
     return base, int(cap) if cap else None, drain
 
 
@@ -181,6 +206,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
             extra += ["--multilora-hold-backfill"]
     if no_kv_moves(name):
         extra += ["--multilora-disable-kv-moves"]
+    if host_gb(name) is not None:
+        extra += ["--multilora-host-kv-gb", f"{host_gb(name):g}"]
     if drain:
         extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
     return tokens, extra
@@ -301,6 +328,9 @@ def main() -> None:
                             pool = {**unified.get("swapper", {}),
                                     **{k: unified.get(k) for k in ("skipped_admissions", "starvation_holds",
                                                                    "budget_stops", "lora_batch_skips")}}
+                            host = unified.get("host_tier") or {}
+                            pool.update({f"host_{k}": host[k] for k in ("load_backs", "declined_load_backs")
+                                         if k in host})
                             if mem[0].get("scheduler"):
                                 pool["scheduler_counts"] = mem[0]["scheduler"]["counts"]
                         runs.append({"arm": name, "repeat": rep, "time_scale": scale,
@@ -330,7 +360,8 @@ def ordered_arms(names) -> list[str]:
     def key(name):
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
-        return ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name), drain
+        return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
+                host_gb(name) or 0.0, drain)
 
     return sorted(names, key=key)
 
@@ -353,7 +384,7 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     def setting(arm: str) -> tuple:  # an arm's line style follows its cap (0: the common one) and memory hold
-        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm), no_kv_moves(arm)
+        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm), no_kv_moves(arm), host_gb(arm)
 
     caps: dict[str, list] = {}  # base -> its arms' settings in order
     for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):
@@ -400,6 +431,11 @@ def report(record: dict) -> str:
              "failed |", "|---|---|---|---|---|---|---|"]
     arms = ordered_arms({r["arm"] for r in runs})
     baselines = [a for a in arms if a.startswith("stock")]
+    hosts = {a: host_gb(a) for a in arms if host_gb(a) is not None}
+    if hosts:
+        lines[-2:-2] = ["Host memory beyond the pool: " + ", ".join(f"{a} {gb:g} GB" for a, gb in hosts.items())
+                        + " for the KV its pool evicts; every other arm none (SGLang's HiCache, stock's way to "
+                        "use host memory, does not start on the CPU path), so those arms have more memory.", ""]
     for scale in s["time_scales"]:
         for arm in arms:
             rs = [r for r in runs if r["arm"] == arm and r["time_scale"] == scale and r.get("num_ok")]
@@ -428,7 +464,9 @@ def report(record: dict) -> str:
         last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
         if last and "lora_batch_skips" in last[-1]:
             keys = ("adapter_loads", "adapter_evictions", "prefetches", "refused_loads", "unreachable_runs",
-                    "kv_compactions", "kv_moved_slots", "kv_evicted_slots", "skipped_admissions", "starvation_holds", "budget_stops", "lora_batch_skips",
+                    "kv_compactions", "kv_moved_slots", "kv_evicted_slots", "host_load_backs",
+                    "host_declined_load_backs", "skipped_admissions", "starvation_holds", "budget_stops",
+                    "lora_batch_skips",
                     "scheduler_counts")
             lines += ["", f"{ours}'s pool and admission counters over the whole run: "
                       + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
