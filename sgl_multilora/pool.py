@@ -25,7 +25,8 @@ found from the per-slot kind array when it is allocated: contiguous only if some
 `largest_free_run()` says whether one is; otherwise the pool hands out the fewest runs (largest first) and a
 reader must gather per run (as S-LoRA's kernels do). A run can also be made by moving KV rather than evicting it:
 `cheapest_window` finds the window holding the fewest used slots and no blocked one (adapters, copies in flight),
-`evacuate` moves what it holds to the lowest free ids outside it (the caller copies the KV and renames the ids). Kinds, at every step:
+`evacuate` moves what it holds to the lowest free ids outside it (the caller copies the KV and renames the ids).
+Kinds, at every step:
 free + adapter + kv_cached + kv_running + in_flight == num_slots.
 `in_flight` is reserved for a host->device copy not finished (an adapter's weights, KV coming back).
 
