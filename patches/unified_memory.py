@@ -301,7 +301,8 @@ class LiveMemory:
         """Copies the KV of slots `sources` into `targets` (every layer's K and V) and rewrites every request row
         in use that names a source (running requests, a chunked prefill, a session's row). The tree's values are
         the swapper's to rewrite; the pool already moved the kinds."""
-        src, dst = self._as_kv_indices(sources), self._as_kv_indices(targets)
+        to_indices = self.allocator.to_indices
+        src, dst = to_indices(SlotRuns(len(sources), ids=sources)), to_indices(SlotRuns(len(targets), ids=targets))
         kv = self.allocator.get_kvcache()
         if src.is_cuda:
             kv.move_kv_cache(dst, src)  # SGLang's own copy: every layout and scale buffer of its pools
@@ -321,10 +322,6 @@ class LiveMemory:
     def _values_tensor(self, values: list[int]) -> torch.Tensor:
         """A tree node's KV indices as its `value_cache` (what the radix backend inserts: int64 on the device)."""
         return torch.tensor(values, dtype=torch.int64, device=self.k_buffers[0].device)
-
-    def _as_kv_indices(self, ids) -> torch.Tensor:
-        """Slot ids (an array or a list) as SGLang's KV indices (slot + 1), an int64 tensor on the KV device."""
-        return torch.as_tensor(np.asarray(ids, dtype=np.int64) + 1).to(self.k_buffers[0].device)
 
     # ---- serving --------------------------------------------------------------------------------------------
 
