@@ -36,8 +36,9 @@ def get_new_batch_prefill(original, self, running_batch):
     if mem is None and sched is None:
         return original(self, running_batch)
     if mem is not None:
-        # between steps nothing reads the slots, unless the overlap scheduler has a batch in flight
-        mem.allow_kv_moves(not self.enable_overlap and not flags.current().disable_kv_moves)
+        # under the overlap scheduler the last batch's forward may still run: moves wait for its stream
+        mem.allow_kv_moves(not flags.current().disable_kv_moves,
+                           after=getattr(self, "forward_stream", None) if self.enable_overlap else None)
         mem.before_prefill_pass(_running(self, running_batch), {r.rid for r in self.waiting_queue})
         mem.set_wanted(self.waiting_queue)
     if sched is not None:

@@ -249,7 +249,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=MultiLoRAArgs.disable_kv_moves,
         help="Unified pool: never move KV between slots. By default, when an adapter's matrices do not fit the "
         "free slots scattered between running requests' KV, the KV of the window holding the least of it is copied "
-        "elsewhere (between scheduler steps, only without the overlap scheduler) rather than evicted or waited "
+        "elsewhere (between scheduler steps, after any forward still in flight) rather than evicted or waited "
         "out. For comparison.",
     )
     group.add_argument(

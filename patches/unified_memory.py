@@ -20,10 +20,14 @@ running request uses and no locked KV depends on count as evictable, the other a
 protected.
 
 Compaction. Free slots scattered between running requests' KV can be room enough for an adapter by count but in
-runs too short for its matrices; no eviction helps while running KV sits in every window. Without SGLang's overlap
-scheduler (off on CPU), nothing reads the slots between steps, so the swapper moves the KV of the cheapest window
-out instead (`Swapper.compact`): `move_kv` copies K and V and rewrites the request rows in use, the swapper the
-tree's ids; SGLang reads a request's prefix off the tree when it allocates, so nothing else names a slot.
+runs too short for its matrices; no eviction helps while running KV sits in every window. The swapper then moves
+the KV of the cheapest window out instead (`Swapper.compact`): `move_kv` copies K and V and rewrites the request
+rows in use, the swapper the tree's ids; SGLang reads a request's prefix off the tree when it allocates, so
+nothing else names a slot. Moves happen inside the admission pass, between steps. Under SGLang's overlap scheduler
+the last batch's forward may still run on the device's forward stream while the next batch is built: the move's
+copies and row rewrites are queued behind it on the device (`allow_kv_moves(after=forward_stream)`), and the last
+batch's result processing, which has not run yet, names slots only through the request rows (it releases a
+finished request's KV, over-allocated decode slots included, by reading its row), so it reads the new ids.
 
 Admission. A request whose adapter is not resident is skipped for this pass (the queue goes on) while the
 swapper makes room and copies it in; the room taken never exceeds what the pass's prefill budget has left, so
@@ -171,6 +175,7 @@ class LiveMemory:
                                idle_watermark=args.idle_watermark, swap_interval_s=args.swap_interval_ms / 1000,
                                free_kv=allocator.free_cached, value_offset=1)
         self.req_to_token_pool = req_to_token_pool
+        self._after_stream = None  # see allow_kv_moves
         self.swapper.value_form = self._values_tensor
         self.copy_bytes_per_s = INITIAL_COPY_BYTES_PER_S
         self._host: dict[str, LoadedAdapter] = {}  # identity -> host copy (the registry's weights)
@@ -290,12 +295,15 @@ class LiveMemory:
 
     # ---- moving KV (compaction) -----------------------------------------------------------------------------
 
-    def allow_kv_moves(self, allowed: bool) -> None:
-        """Whether the swapper may move KV to free a run for an adapter (`Swapper.compact`): only where nothing
-        reads the slots between scheduler steps, i.e. without SGLang's overlap scheduler (whose next batch is
-        built while the last one's forward and results are still pending), and only with the request rows."""
+    def allow_kv_moves(self, allowed: bool, after=None) -> None:
+        """Whether the swapper may move KV to free a run for an adapter (`Swapper.compact`; only with the request
+        rows). `after`: the device stream of a forward that may still be running (SGLang's overlap scheduler builds
+        the next batch while the last one's forward runs on its forward stream): a move's copies and row rewrites
+        wait for it on the device, never on the host. On CPU the forward has returned before the next batch is
+        built, so nothing waits."""
         movable = allowed and self.req_to_token_pool is not None
         self.swapper.move_kv = self.move_kv if movable else None
+        self._after_stream = after
 
     def move_kv(self, sources: np.ndarray, targets: np.ndarray) -> None:
         """Copies the KV of slots `sources` into `targets` (every layer's K and V) and rewrites every request row
@@ -304,6 +312,8 @@ class LiveMemory:
         to_indices = self.allocator.to_indices
         src, dst = to_indices(SlotRuns(len(sources), ids=sources)), to_indices(SlotRuns(len(targets), ids=targets))
         kv = self.allocator.get_kvcache()
+        if src.is_cuda and self._after_stream is not None:  # the overlap scheduler's forward in flight reads both
+            torch.cuda.current_stream(src.device).wait_stream(self._after_stream)
         if src.is_cuda:
             kv.move_kv_cache(dst, src)  # SGLang's own copy: every layout and scale buffer of its pools
         else:

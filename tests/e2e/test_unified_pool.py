@@ -79,13 +79,18 @@ def adapters(model_path, tokenizer, tmp_path_factory) -> list[dict]:
     return _make_adapters(model_path, tokenizer, tmp_path_factory.mktemp("unified_pool_adapters"))
 
 
-@pytest.fixture(scope="module")
-def server(model_path, adapters):
+def _start(model_path, adapters, name: str, overlap: bool = False):
     root = adapters[0]["path"].rsplit("/", 1)[0]
-    handle = start_server(model_path, [
+    return start_server(model_path, [
         "--multilora-adapter-dir", root, "--max-loras-per-batch", "4", "--max-lora-rank", "256",
         "--radix-cache-backend", "multilora", "--chunked-prefill-size", "128", "--multilora-check-invariants",
-    ], name="e2e_unified_pool", max_total_tokens=POOL_SLOTS, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
+    ], name=name, max_total_tokens=POOL_SLOTS, env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"},
+        overlap=overlap)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, adapters):
+    handle = _start(model_path, adapters, "e2e_unified_pool")
     yield handle
     handle.stop()
 
@@ -101,6 +106,26 @@ def _prompt(tokenizer, rng: random.Random, words: list[str], alora: bool) -> lis
 
 
 def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adapters, tokenizer, oracle):
+    _serve_everything_twice_and_check(server, adapters, tokenizer, oracle)
+
+
+def test_under_the_overlap_scheduler_kv_moves_and_outputs_match_peft(model_path, adapters, tokenizer, oracle):
+    """The same traffic with SGLang's overlap scheduler (its default on GPUs): each batch is built while the last
+    one's results are still to be processed, so KV moves while a batch is in flight; that batch's result processing
+    (finished requests' KV into the tree, over-allocated slots freed) must find the moved ids."""
+    handle = _start(model_path, adapters, "e2e_unified_pool_overlap", overlap=True)
+    try:
+        info = requests.get(f"{handle.url}/get_server_info", timeout=30).json()
+        assert info["disable_overlap_schedule"] is False, "the server runs without the overlap scheduler"
+        swapper = _serve_everything_twice_and_check(handle, adapters, tokenizer, oracle)
+        assert swapper["kv_compactions"] > 0, swapper
+    finally:
+        handle.stop()
+
+
+def _serve_everything_twice_and_check(server, adapters, tokenizer, oracle) -> dict:
+    """Every adapter and the base model, twice in different orders, 4 at a time; outputs against PEFT's, then the
+    idle accounting. Returns the swapper's counters."""
     pool = memory(server)["unified_pool"]
     sizes = [a["num_slots"] for a in pool["adapter_sizes"].values()]
     assert len(sizes) == NUM_ADAPTERS and min(sizes) >= 1, pool
@@ -126,8 +151,8 @@ def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adap
     swapper = pool["swapper"]
     assert swapper["adapter_evictions"] > 0 and swapper["adapter_loads"] + swapper["prefetches"] > NUM_ADAPTERS, pool
     assert swapper["invalid_kv_slots"] == 0, pool
-    # Loads refused for scattered free slots moved KV out of a window (no overlap scheduler on CPU): the outputs
-    # above, PEFT's to the token, were served with KV that moved under running requests (17 moves in 20 refusals).
+    # Loads refused for scattered free slots moved KV out of a window: the outputs above, PEFT's to the token, were
+    # served with KV that moved under running requests (17 moves in 20 refusals in one run).
     assert swapper["refused_loads"] == 0 or swapper["kv_compactions"] > 0, swapper
     slots = pool["slots"]
     assert slots["kv_running"] == 0 and slots["in_flight"] == 0, slots
@@ -137,6 +162,7 @@ def test_adapters_move_between_pool_and_host_and_outputs_match_peft(server, adap
     assert m["cache_protected"] == 0 and m["free"] + m["cache_evictable"] == m["total"], m
     # No separate adapter tensors: the serving copies are the pool's slots; the host keeps one copy each.
     assert m["adapters"]["weights"] == {} and m["adapters"]["slot_buffers"] == 0, m["adapters"]
+    return swapper
 
 
 def test_an_adapter_larger_than_the_pool_is_refused_with_both_sizes(server, model_path, tokenizer, tmp_path):
