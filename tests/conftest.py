@@ -171,14 +171,14 @@ def start_server(model_path: str, extra_args: list[str], name: str, *, max_total
     """Starts a CPU server for one test module; the caller stops it (killed half a second after SIGTERM: a test
     server has nothing to drain, and SGLang's graceful stop waits for a 5-second tick). Logs go to
     .pytest_cache/<name>.log. `overlap`: SGLang's overlap scheduler on (its default on GPUs), which the CPU
-    servers otherwise run without."""
+    servers otherwise run without; MULTILORA_TEST_OVERLAP=1 turns it on for every test server."""
     from sgl_multilora.server import cpu_server_args, launch
 
     log_dir = REPO / ".pytest_cache"
     log_dir.mkdir(exist_ok=True)
     max_total_tokens = max_total_tokens or int(os.environ.get("MULTILORA_TEST_MAX_TOKENS", "8192"))
     args = cpu_server_args(max_total_tokens=max_total_tokens)
-    if overlap:
+    if overlap or os.environ.get("MULTILORA_TEST_OVERLAP") == "1":
         args = [a for a in args if a != "--disable-overlap-schedule"] + ["--multilora-cpu-overlap"]
     handle = launch(
         model_path,
