@@ -89,7 +89,8 @@ class Swapper:
     most `slots` free slots, never evicting, and returns the slots it used. The clock is the tree's. The tree's
     values are slot ids plus `value_offset` (SGLang's KV index is slot + 1). `move_kv(sources, targets)`, set by
     an owner while KV may move (between steps, its copies ordered after any forward still reading the slots),
-    copies KV between slot ids and rewrites what outside the tree names them; `value_form` rebuilds a node's `value_cache` after a move (see `compact`).
+    copies KV between slot ids and rewrites what outside the tree names them; `value_form` rebuilds a node's
+    `value_cache` after a move (see `compact`).
     """
 
     def __init__(self, tree: LoraRadixTree, pool: UnifiedPool, residency: AdapterResidency,
