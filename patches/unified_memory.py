@@ -312,9 +312,9 @@ class LiveMemory:
         to_indices = self.allocator.to_indices
         src, dst = to_indices(SlotRuns(len(sources), ids=sources)), to_indices(SlotRuns(len(targets), ids=targets))
         kv = self.allocator.get_kvcache()
-        if src.is_cuda and self._after_stream is not None:  # the overlap scheduler's forward in flight reads both
-            torch.cuda.current_stream(src.device).wait_stream(self._after_stream)
         if src.is_cuda:
+            if self._after_stream is not None:  # the overlap scheduler's forward in flight reads both
+                torch.cuda.current_stream(src.device).wait_stream(self._after_stream)
             kv.move_kv_cache(dst, src)  # SGLang's own copy: every layout and scale buffer of its pools
         else:
             for k, v in zip(self.k_buffers, self.v_buffers):
