@@ -1,20 +1,28 @@
-"""What no scheduler or memory system can beat: each request of a workload served alone, its adapter warm.
+"""What no scheduler or memory system can beat: each session of a workload served alone, its adapter warm.
 
 The unified-memory benchmark (`unified_memory.py`) compares mean and P99 TTFT under load against ELORA's goal (at
 most half and a quarter of stock's). Part of every TTFT is not queueing at all: the request's own prefill and
-first decode step. This replays a workload's requests one at a time on a live server of one of that benchmark's
-arms (same flags, same adapters, same budget): before each request, a 1-token request of the same adapter makes
-the adapter resident and bound to a batch slot; then the request runs alone on a flushed cache. Its TTFT is then a
-floor for that request under any admission order and any memory policy on this build and machine: the mean of the
-floors bounds every arm's mean TTFT from below (up to timing noise), whatever the load.
+first decode step. This replays a workload's sessions one at a time on a live server of one of that benchmark's
+arms (same flags, same adapters, same budget): before each session, a 1-token request of its adapter (carrying the
+session's shared prefix, e.g. a chatbot's system prompt) makes the adapter resident and bound to a batch slot on a
+flushed cache; then the session's turns run alone, each sent when the one before it has finished, so each finds its
+whole history cached (a translation request is a session of one turn). A turn's TTFT is then a floor for that
+request under any admission order and any memory policy on this build and machine, whatever the load: an arm's
+mean TTFT is at least the mean of the floors, and its P99 (the same nearest rank over the same requests) at least
+the floors' P99 (each request at least its floor, so every order statistic is too), up to timing noise.
 
 `--compare` takes the records of `unified_memory.py` runs (same workload, seed and arm flags) and sets, per rate,
-half of the best stock arm's mean TTFT (ELORA's goal for ours) beside the floor: where the floor is above it, the
-goal cannot be met on this machine at that rate.
+half of the best stock arm's mean TTFT and a quarter of its P99 (ELORA's goals for ours) beside the floors: where a
+floor is above its goal, that goal cannot be met on this machine at that rate.
 
 Usage: .venv/bin/python -m eval.bench.ttft_floor --workload translation --param num_requests=60
            --param length_scale=0.1 --seed 0 --compare eval/results/unified_memory_translation_fixedrate_seed0.jsonl
            --out eval/results/ttft_floor_translation_seed0.jsonl
+       .venv/bin/python -m eval.bench.ttft_floor --workload chatbot --param num_conversations=20
+           --param mean_new_tokens=150 --param mean_output_tokens=16 --param think_time_s=3
+           --param conversation_rate=0.5 --arm ours-mq-cap8 --seed 1
+           --compare eval/results/unified_memory_chatbot_moves_seed1.jsonl
+           --out eval/results/ttft_floor_chatbot_seed1.jsonl
 """
 
 from __future__ import annotations
@@ -44,40 +52,72 @@ def alone(workload, request, **changes):
     return dataclasses.replace(workload, requests=(dataclasses.replace(request, arrival_s=0.0, **changes),))
 
 
+def chains(workload) -> list[list]:
+    """The workload's sessions as chains of turns, each turn's parent the turn before it (a translation request is
+    a chain of one). Raises SystemExit naming the first session that is not such a chain."""
+    by_session: dict[str, list] = {}
+    for r in workload.requests:
+        by_session.setdefault(r.session, []).append(r)
+    out = []
+    for name, turns in by_session.items():
+        for prev, r in zip([None, *turns], turns):
+            if r.parent_rid != (prev.rid if prev else None):
+                raise SystemExit(f"session {name}: request {r.rid} does not continue the turn before it "
+                                 f"(parent {r.parent_rid}); ttft_floor replays sessions as chains of turns")
+        out.append(turns)
+    return out
+
+
 def floors(workload, url: str, served: list[ServedAdapter], log: Path) -> list[dict]:
-    """Each request alone, after a warm-up request of its adapter; one row per request."""
+    """Each session alone, on a flushed cache, after a warm-up request of its adapter (with the session's shared
+    prefix, which under load other sessions of that adapter keep cached); its turns one after another, each sent when
+    the turn before it has finished, so each finds its whole history cached. One row per request."""
     rows = []
-    for r in tqdm(workload.requests, desc="requests alone"):
-        flush(url)
-        warm = alone(workload, r, rid=f"warm-{r.rid}", session=f"warm-{r.rid}", new_tokens=4, output_tokens=1,
-                     prompt_text=None, shared_prefix=None, shared_prefix_tokens=0)
-        replay(warm, [Target("warm", url)], log, "warm", served, timeout_s=300)
-        [res] = replay(alone(workload, r), [Target("alone", url)], log, "alone", served, timeout_s=300)
-        rows.append({"rid": r.rid, "adapter": r.adapter, "prompt_tokens": res.prompt_tokens,
-                     "cached_tokens": res.cached_tokens, "ttft_s": res.ttft_s, "error": res.error})
+    with tqdm(total=len(workload.requests), desc="requests alone") as bar:
+        for turns in chains(workload):
+            first = turns[0]
+            flush(url)
+            warm = alone(workload, first, rid=f"warm-{first.rid}", session=f"warm-{first.rid}",
+                         new_tokens=first.shared_prefix_tokens + 4, output_tokens=1, prompt_text=None,
+                         alora_invocation=False)
+            replay(warm, [Target("warm", url)], log, "warm", served, timeout_s=300)
+            chain = dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0)
+                                                                 for r in turns))
+            for res in replay(chain, [Target("alone", url)], log, "alone", served, timeout_s=300):
+                rows.append({"rid": res.rid, "adapter": res.adapter, "prompt_tokens": res.prompt_tokens,
+                             "cached_tokens": res.cached_tokens, "ttft_s": res.ttft_s, "error": res.error})
+                bar.update()
     return rows
 
 
 def compare_lines(floor_rows: list[dict], records: list[dict]) -> list[str]:
-    """Per rate of the given unified_memory records: the best stock arm's mean TTFT, half of it, the floor."""
+    """Per rate of the given unified_memory records: the best stock arm's mean and P99 TTFT, half and a quarter of
+    them (ELORA's goals), the floor's mean and P99, and every other arm's mean and P99 (medians over repeats)."""
     ok = [r["ttft_s"] for r in floor_rows if r["ttft_s"] is not None]
-    floor = statistics.fmean(ok)
-    lines = ["| record | rate (req/s) | best stock arm: mean TTFT s (median over repeats) | half of it (the goal) | "
-             "floor: mean TTFT alone s | ours-mq mean TTFT s |", "|---|---|---|---|---|---|"]
+    floor_mean, floor_p99 = statistics.fmean(ok), nearest_rank(ok, 99)
+    lines = ["| record | rate (req/s) | best stock arm | its mean TTFT s / half (the goal) | floor: mean alone s | "
+             "its P99 TTFT s / a quarter (the goal) | floor: P99 alone s | other arms: mean / P99 s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, rec in records:
         rates = sorted({round(run["rate_req_s"], 2) for run in rec["runs"]})
         for rate in rates:
-            by_arm: dict[str, list[float]] = {}
+            by_arm: dict[str, list[dict]] = {}
             for run in rec["runs"]:
                 if round(run["rate_req_s"], 2) == rate and "mean_ttft_s" in run:
-                    by_arm.setdefault(run["arm"], []).append(run["mean_ttft_s"])
-            stock = {a: statistics.median(v) for a, v in by_arm.items() if a.startswith("stock")}
+                    by_arm.setdefault(run["arm"], []).append(run)
+
+            def med(arm, key):
+                return statistics.median(run[key] for run in by_arm[arm])
+
+            stock = [a for a in by_arm if a.startswith("stock")]
             if not stock:
                 continue
-            best = min(stock, key=stock.get)
-            ours = statistics.median(by_arm["ours-mq"]) if "ours-mq" in by_arm else float("nan")
-            lines.append(f"| {name} | {rate:.2f} | {stock[best]:.2f} ({best}) | {stock[best] / 2:.2f} | {floor:.2f} | "
-                         f"{ours:.2f} |")
+            best = min(stock, key=lambda a: med(a, "mean_ttft_s"))
+            mean, p99 = med(best, "mean_ttft_s"), med(best, "p99_ttft_s")
+            others = "; ".join(f"{a} {med(a, 'mean_ttft_s'):.2f} / {med(a, 'p99_ttft_s'):.2f}"
+                               for a in by_arm if not a.startswith("stock"))
+            lines.append(f"| {name} | {rate:.2f} | {best} | {mean:.2f} / {mean / 2:.2f} | {floor_mean:.2f} | "
+                         f"{p99:.2f} / {p99 / 4:.2f} | {floor_p99:.2f} | {others} |")
     return lines
 
 
@@ -94,8 +134,11 @@ def report(record: dict) -> str:
     if record.get("compare"):
         lines += ["Against the load runs (`unified_memory.py`) of the same workload and seed:", "",
                   *record["compare"], "",
-                  "Where the floor is above half the best stock arm's mean, no arm can meet ELORA's mean-TTFT goal "
-                  "at that rate on this machine: the floor is each request's own work with nothing queued ahead.",
+                  "The floor is each request's own work with nothing queued ahead and its whole history cached; "
+                  "under load every request takes at least its floor, so an arm's mean is at least the floor's "
+                  "mean and its P99 (the same nearest rank over the same requests) at least the floor's P99. "
+                  "Where the floor is above half the best stock arm's mean (a quarter of its P99), no arm can meet "
+                  "ELORA's mean (P99) goal at that rate on this machine.",
                   ""]
     return "\n".join(lines)
 
@@ -115,12 +158,19 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="a unified_memory.py record (.jsonl, its last line) of the same workload and seed")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/ttft_floor.jsonl")
+    parser.add_argument("--floors-from", type=Path,
+                        help="a ttft_floor record (.jsonl, its last line) whose floors to set against the --compare "
+                        "records again, without a server (its workload, seed and arm are kept; the others ignored)")
     args = parser.parse_args()
+    if args.floors_from:
+        earlier = json.loads(args.floors_from.read_text().strip().splitlines()[-1])
+        compared = [(p.name, json.loads(p.read_text().strip().splitlines()[-1])) for p in args.compare]
+        earlier["compare"] = compare_lines(earlier["floors"], compared) if compared else None
+        save(args.out, earlier, report)
+        return
 
     model, workload, ranks, params = workload_from_args(args)
-    if any(r.parent_rid is not None for r in workload.requests):
-        raise SystemExit(f"{args.workload}: requests with a history (a parent) have no TTFT alone without their "
-                         "parent's KV; this benchmark takes workloads of single turns (translation)")
+    chains(workload)  # fails early, before a server starts, on a workload it cannot replay
     adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
     max_rank = max(ranks)
     try:  # the arm's flags and KV budget exactly as unified_memory.py gives them

@@ -1,6 +1,11 @@
-"""The TTFT floor benchmark's pure parts: a request made to run alone, and the comparison with load runs."""
+"""The TTFT floor benchmark's pure parts: a request made to run alone, sessions as chains of turns, and the
+comparison with load runs."""
 
-from eval.bench.ttft_floor import alone, compare_lines, report
+import dataclasses
+
+import pytest
+
+from eval.bench.ttft_floor import alone, chains, compare_lines, report
 from eval.workloads import create_workload
 
 
@@ -16,18 +21,39 @@ def test_a_request_alone_arrives_at_zero_and_keeps_its_adapter_and_lengths():
     one.check_invariants()
 
 
-def _run(arm, rate, mean):
-    return {"arm": arm, "rate_req_s": rate, "mean_ttft_s": mean}
+def test_sessions_become_chains_of_turns_in_order_and_a_broken_chain_is_named():
+    w = create_workload("chatbot", seed=3, num_conversations=6, num_adapters=4, ranks=(16,))
+    got = chains(w)
+    assert sorted(r.rid for turns in got for r in turns) == sorted(r.rid for r in w.requests)
+    assert any(len(turns) > 1 for turns in got)
+    for turns in got:
+        assert len({r.session for r in turns}) == 1 and turns[0].parent_rid is None
+        assert [r.parent_rid for r in turns[1:]] == [r.rid for r in turns[:-1]]
+        assert len({r.adapter for r in turns}) == 1
+    t = create_workload("translation", seed=0, num_requests=12, num_adapters=4, ranks=(16,), length_scale=0.1)
+    assert [len(turns) for turns in chains(t)] == [1] * 12
+    later = next(r for r in w.requests if r.parent_rid is not None)
+    broken = dataclasses.replace(w, requests=tuple(dataclasses.replace(r, parent_rid="elsewhere")
+                                                   if r is later else r for r in w.requests))
+    with pytest.raises(SystemExit, match=f"session {later.session}: request {later.rid} does not continue"):
+        chains(broken)
 
 
-def test_the_comparison_takes_the_best_stock_arm_per_rate_and_halves_it():
-    floor_rows = [{"ttft_s": 0.4}, {"ttft_s": 0.6}, {"ttft_s": None}]  # a failed request is left out: floor 0.5
-    record = {"runs": [_run("stock", 1.0, 0.9), _run("stock", 1.0, 1.1), _run("stock-drain", 1.0, 0.8),
-                       _run("stock-drain", 1.0, 0.8), _run("ours-mq", 1.0, 0.7), _run("ours-mq", 1.0, 0.6),
-                       _run("stock", 2.0, 3.0), _run("stock-drain", 2.0, 4.0), _run("ours-mq", 2.0, 1.5)]}
+def _run(arm, rate, mean, p99=None):
+    return {"arm": arm, "rate_req_s": rate, "mean_ttft_s": mean, "p99_ttft_s": 2 * mean if p99 is None else p99}
+
+
+def test_the_comparison_takes_the_best_stock_arm_per_rate_halves_its_mean_and_quarters_its_p99():
+    # a failed request is left out: floor mean 0.5, P99 (nearest rank of 0.4, 0.6) 0.6
+    floor_rows = [{"ttft_s": 0.4}, {"ttft_s": 0.6}, {"ttft_s": None}]
+    record = {"runs": [_run("stock", 1.0, 0.9), _run("stock", 1.0, 1.1), _run("stock-drain", 1.0, 0.8, 4.0),
+                       _run("stock-drain", 1.0, 0.8, 2.0), _run("ours-mq", 1.0, 0.7, 1.0),
+                       _run("ours-mq", 1.0, 0.6, 1.2), _run("stock", 2.0, 3.0), _run("stock-drain", 2.0, 4.0),
+                       _run("ours-mq", 2.0, 1.5, 2.2)]}
     lines = compare_lines(floor_rows, [("r.jsonl", record)])
-    assert lines[2] == "| r.jsonl | 1.00 | 0.80 (stock-drain) | 0.40 | 0.50 | 0.65 |"
-    assert lines[3] == "| r.jsonl | 2.00 | 3.00 (stock) | 1.50 | 0.50 | 1.50 |"
+    assert lines[2] == ("| r.jsonl | 1.00 | stock-drain | 0.80 / 0.40 | 0.50 | 3.00 / 0.75 | 0.60 | "
+                        "ours-mq 0.65 / 1.10 |")
+    assert lines[3] == "| r.jsonl | 2.00 | stock | 3.00 / 1.50 | 0.50 | 6.00 / 1.50 | 0.60 | ours-mq 1.50 / 2.20 |"
     text = report({"setup": {"workload": "translation", "params": {}, "seed": 0, "arm": "stock", "arm_flags": [],
                              "max_total_tokens": 100},
                    "device": {}, "date": "2026-11-27T00:00:00", "floors": floor_rows, "compare": lines})
