@@ -156,20 +156,36 @@ def host_gb(name: str) -> float | None:
     return value
 
 
+def overdue_s(name: str) -> float | None:
+    """The arm's `--multilora-overdue-s` (`-overdue<S>` in its name), else None. Raises ValueError for a value that
+    is not a number > 0."""
+    match = _OVERDUE.search(name)
+    if match is None:
+        return None
+    value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
+    if value <= 0:
+        raise ValueError(f"unknown arm {name!r}: -overdue<S> takes a wait S > 0 in seconds")
+    return value
+
+
 _HOST = re.compile(r"-host([^-]*)")
+_OVERDUE = re.compile(r"-overdue([^-]*)")
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
 
 
 def _without_options(name: str) -> str:
-    """The arm name without its `-nomove` and `-host<GB>` parts (the rest of the grammar is positional)."""
-    return _HOST.sub("", name.replace("-nomove", "", 1), count=1)
+    """The arm name without its `-nomove`, `-host<GB>` and `-overdue<S>` parts (the rest of the grammar is
+    positional)."""
+    return _OVERDUE.sub("", _HOST.sub("", name.replace("-nomove", "", 1), count=1), count=1)
 
 
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-drain]` -> (base, cap or None for the
-    common one, drainer on); `-hold<X>` (`split_hold`) only on `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>`
-    (`host_gb`) not on `stock`. Raises ValueError for any other name."""
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-overdue<S>][-drain]` -> (base, cap or
+    None for the common one, drainer on); `-hold<X>` (`split_hold`) and `-overdue<S>` (`overdue_s`) only on
+    `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any
+    other name."""
     ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
+    overdue = overdue_s(name)
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
@@ -179,6 +195,8 @@ def parse_arm(name: str) -> tuple[str, int | None, bool]:
                          f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
     if ours_only and base == "stock":
         raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
+    if overdue is not None and base != "ours-mq":
+        raise ValueError(f"unknown arm {name!r}: -overdue<S> is an option of the multi-queue scheduler (ours-mq)")
     return base, int(cap) if cap else None, drain
 
 
@@ -204,6 +222,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
             extra += ["--multilora-memory-hold-share", f"{hold:g}"]
         if hold_mode(name) == "backfill":
             extra += ["--multilora-hold-backfill"]
+        if overdue_s(name) is not None:
+            extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
     if no_kv_moves(name):
         extra += ["--multilora-disable-kv-moves"]
     if host_gb(name) is not None:

@@ -280,6 +280,13 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     for bad in ("stock-host2", "ours-mq-host", "ours-mq-host0", "ours-mq-hostx", "ours-mq-host-1"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
+    # -overdue<S>: the multi-queue scheduler's overdue wait, with any other option of ours-mq
+    assert arm_spec("ours-mq-cap8-overdue4", args, workload, 64)[1][-2:] == ["--multilora-overdue-s", "4"]
+    assert "--multilora-overdue-s" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
+    assert parse_arm("ours-mq-cap8-hold0.5-strict-overdue2.5-nomove-drain") == ("ours-mq", 8, True)
+    for bad in ("stock-overdue2", "ours-cap8-overdue2", "ours-mq-overdue", "ours-mq-overdue0", "ours-mq-overduex"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            parse_arm(bad)
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
         arm_spec("stock-cap40", args, workload, 64)
 
