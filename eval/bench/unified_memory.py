@@ -289,7 +289,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
     parser.add_argument("--plot-only", action="store_true",
                         help="only redraw the TTFT plot (.png next to --out) from its request log")
+    parser.add_argument("--pooled-only", action="store_true",
+                        help="only print every arm's mean and P99 TTFT over all repeats together, from the request "
+                        "log next to --out")
     args = parser.parse_args()
+    if args.pooled_only:
+        print("\n".join(pooled_lines(request_ttfts(args.out.with_name(args.out.stem + "_requests.jsonl")))))
+        return
     if args.plot_only:
         print(plot_ttft(args.out.with_name(args.out.stem + "_requests.jsonl"), args.out.with_suffix(".png")))
         return
@@ -359,7 +365,8 @@ def main() -> None:
                         bar.update(1)
         device["load_avg_end"] = list(os.getloadavg())
         record = {"setup": setup, "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                  "runs": runs, "plot": plot_ttft(raw, args.out.with_suffix(".png")).name}
+                  "runs": runs, "plot": plot_ttft(raw, args.out.with_suffix(".png")).name,
+                  "pooled": pooled_lines(request_ttfts(raw))}
         save(args.out, record, report)
     finally:
         for handle in servers.values():
@@ -381,7 +388,7 @@ def ordered_arms(names) -> list[str]:
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
         return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
-                host_gb(name) or 0.0, drain)
+                host_gb(name) or 0.0, overdue_s(name) or 0.0, drain)
 
     return sorted(names, key=key)
 
@@ -394,12 +401,7 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ttfts: dict[float, dict[str, list[float]]] = {}
-    for line in raw.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("error") is None and r.get("ttft_s") is not None:
-            rate = round(r["extra"]["request_rate"], 2)
-            ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
+    ttfts = request_ttfts(raw)
     fig, axes = plt.subplots(1, len(ttfts), figsize=(max(7.0, 5.5 * len(ttfts)), 4), squeeze=False, sharey=True)
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
@@ -433,6 +435,39 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def request_ttfts(raw: Path) -> dict[float, dict[str, list[float]]]:
+    """TTFTs of the request log's served requests by rate (req/s, rounded to 0.01) and arm, every repeat together."""
+    ttfts: dict[float, dict[str, list[float]]] = {}
+    for line in raw.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("error") is None and r.get("ttft_s") is not None:
+            rate = round(r["extra"]["request_rate"], 2)
+            ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
+    return ttfts
+
+
+def pooled_lines(ttfts: dict[float, dict[str, list[float]]]) -> list[str]:
+    """Per rate, every arm's mean and P99 TTFT over every repeat's requests together, and each of ours against the
+    stock arm with the lower pooled mean. A run's P99 is one of its slowest few requests and moves with them from
+    repeat to repeat; pooled over repeats it rests on several (nearest rank of n times the repeats)."""
+    lines = []
+    for rate in sorted(ttfts):
+        by_arm = ttfts[rate]
+        stock = [a for a in by_arm if a.startswith("stock")]
+        best = min(stock, key=lambda a: statistics.fmean(by_arm[a])) if stock else None
+        parts = []
+        for arm in ordered_arms(by_arm):
+            v = by_arm[arm]
+            text = f"{arm} {statistics.fmean(v):.2f} / {nearest_rank(v, 99):.2f} s (n {len(v)})"
+            if best and not arm.startswith("stock"):
+                b = by_arm[best]
+                text += (f", {statistics.fmean(v) / statistics.fmean(b):.2f}x / "
+                         f"{nearest_rank(v, 99) / nearest_rank(b, 99):.2f}x {best}'s")
+            parts.append(text)
+        lines.append(f"- {rate:.2f} req/s, mean / P99 TTFT: " + "; ".join(parts))
+    return lines
 
 
 def report(record: dict) -> str:
@@ -490,6 +525,9 @@ def report(record: dict) -> str:
                     "scheduler_counts")
             lines += ["", f"{ours}'s pool and admission counters over the whole run: "
                       + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
+    if record.get("pooled"):
+        lines += ["", "Every repeat's requests pooled (the P99 of each run alone is one of its slowest few requests):",
+                  "", *record["pooled"]]
     if record.get("plot"):
         lines += ["", f"TTFT distribution per rate, every repeat pooled: `{record['plot']}`."]
     return "\n".join(lines) + "\n"

@@ -298,3 +298,23 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     # stock-cap6's median mean (1.5 s) is below stock's (3.0 s): ratios 0.5 and 0.75, P99 0.5 and 0.2
     assert "- 2.00 req/s, ours-mq-cap8 / stock-cap6: mean TTFT 0.62x (0.50-0.75), P99 TTFT 0.35x (0.20-0.50), " \
            "2 repeats" in text
+
+
+def test_pooled_tail_takes_every_repeat_together_against_the_stock_arm_with_the_lower_pooled_mean(tmp_path):
+    import json
+
+    from eval.bench.unified_memory import pooled_lines, request_ttfts
+
+    raw = tmp_path / "x_requests.jsonl"
+    rows = []
+    for arm, ttfts in {"stock": [1.0] * 99 + [20.0], "stock-cap6": [2.0] * 100,
+                       "ours-mq-cap8": [0.5] * 98 + [4.0, 5.0]}.items():
+        rows += [{"arm": arm, "ttft_s": t, "error": None, "extra": {"request_rate": 1.234}} for t in ttfts]
+    rows.append({"arm": "ours-mq-cap8", "ttft_s": None, "error": "boom", "extra": {"request_rate": 1.234}})
+    raw.write_text("\n".join(json.dumps(r) for r in rows))
+    ttfts = request_ttfts(raw)
+    assert set(ttfts) == {1.23} and len(ttfts[1.23]["ours-mq-cap8"]) == 100  # the failed request left out
+    # stock's pooled mean 1.19 < stock-cap6's 2.0; its P99 (nearest rank 98 of 0..99) is 1.0, ours' 4.0
+    [line] = pooled_lines(ttfts)
+    assert line == ("- 1.23 req/s, mean / P99 TTFT: stock 1.19 / 1.00 s (n 100); stock-cap6 2.00 / 2.00 s (n 100); "
+                    "ours-mq-cap8 0.58 / 4.00 s (n 100), 0.49x / 4.00x stock's")
