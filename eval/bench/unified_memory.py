@@ -144,28 +144,28 @@ def no_kv_moves(name: str) -> bool:
     return "-nomove" in name
 
 
-def host_gb(name: str) -> float | None:
-    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
-    number > 0."""
-    match = _HOST.search(name)
+def _positive_option(pattern: re.Pattern, name: str, usage: str) -> float | None:
+    """The number after an option of the arm name (`pattern`'s group), else None. Raises ValueError naming `usage`
+    for a value that is not a number > 0."""
+    match = pattern.search(name)
     if match is None:
         return None
     value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
     if value <= 0:
-        raise ValueError(f"unknown arm {name!r}: -host<GB> takes a host tier size GB > 0")
+        raise ValueError(f"unknown arm {name!r}: {usage}")
     return value
+
+
+def host_gb(name: str) -> float | None:
+    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
+    number > 0."""
+    return _positive_option(_HOST, name, "-host<GB> takes a host tier size GB > 0")
 
 
 def overdue_s(name: str) -> float | None:
     """The arm's `--multilora-overdue-s` (`-overdue<S>` in its name), else None. Raises ValueError for a value that
     is not a number > 0."""
-    match = _OVERDUE.search(name)
-    if match is None:
-        return None
-    value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
-    if value <= 0:
-        raise ValueError(f"unknown arm {name!r}: -overdue<S> takes a wait S > 0 in seconds")
-    return value
+    return _positive_option(_OVERDUE, name, "-overdue<S> takes a wait S > 0 in seconds")
 
 
 _HOST = re.compile(r"-host([^-]*)")
