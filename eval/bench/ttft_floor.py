@@ -121,6 +121,11 @@ def compare_lines(floor_rows: list[dict], records: list[dict]) -> list[str]:
     return lines
 
 
+def last_records(paths: list[Path]) -> list[tuple[str, dict]]:
+    """(file name, its last record) of each .jsonl record file."""
+    return [(p.name, json.loads(p.read_text().strip().splitlines()[-1])) for p in paths]
+
+
 def report(record: dict) -> str:
     s = record["setup"]
     rows = record["floors"]
@@ -163,8 +168,8 @@ def main() -> None:
                         "records again, without a server (its workload, seed and arm are kept; the others ignored)")
     args = parser.parse_args()
     if args.floors_from:
-        earlier = json.loads(args.floors_from.read_text().strip().splitlines()[-1])
-        compared = [(p.name, json.loads(p.read_text().strip().splitlines()[-1])) for p in args.compare]
+        [(_, earlier)] = last_records([args.floors_from])
+        compared = last_records(args.compare)
         earlier["compare"] = compare_lines(earlier["floors"], compared) if compared else None
         save(args.out, earlier, report)
         return
@@ -192,7 +197,7 @@ def main() -> None:
         device["load_avg_end"] = list(os.getloadavg())
     finally:
         server.stop()
-    compared = [(p.name, json.loads(p.read_text().strip().splitlines()[-1])) for p in args.compare]
+    compared = last_records(args.compare)
     record = {"setup": {"workload": args.workload, "params": {k: list(v) if isinstance(v, tuple) else v
                                                             for k, v in params.items()},
                         "seed": args.seed, "arm": args.arm, "arm_flags": flags[2:], "max_total_tokens": tokens,
