@@ -21,6 +21,8 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
 - `<arm>-host<GB>` (optional, ours and ours-mq, before `-drain`): that arm with a host tier of GB for the KV its
   pool evicts (`--multilora-host-kv-gb`). More memory than the other arms are given on the device: the report names
   it, and a fair stock counterpart is SGLang's HiCache with the same host memory (which does not start on CPU).
+- `ours-mq...-overdue<S>` (optional, before `-drain`): the multi-queue arm with `--multilora-overdue-s S` (requests
+  waiting S seconds go first, oldest first), to weigh that bound on the tail in one run.
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
   cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
   pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
@@ -28,13 +30,15 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   median mean TTFT, whatever its cap or drainer.
 Both servers start once and stay up (idle ones sleep); every repeat replays the workload at every rate on each arm,
 arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
-TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock.
+TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock, and
+mean and P99 over every repeat's requests together (`--pooled-only` prints those from a committed request log): a
+repeat's own P99 is one of its slowest few requests.
 
 Next to the record and its report (`--out`, `.md`), the per-request log (`_requests.jsonl`) and the TTFT
 distribution per rate and arm, every repeat pooled (`.png`; `--plot-only` redraws it from a committed request log).
 
 Usage: .venv/bin/python -m eval.bench.unified_memory [--workload chatbot] [--time-scales 1,2] [--repeats 3]
-           [--out eval/results/unified_memory.jsonl] [--plot-only]
+           [--out eval/results/unified_memory.jsonl] [--plot-only] [--pooled-only]
 """
 
 from __future__ import annotations
