@@ -411,8 +411,9 @@ def test_room_without_a_running_request_is_what_retracting_it_gives_back(world):
 
 def test_a_load_refused_for_scattered_kv_moves_the_kv_out_of_one_window(world):
     """Running requests' KV in every other slot: no eviction can free a run for an adapter's matrices (a locked or
-    running slot sits in every window), so without moves the load is "not now". With moves allowed, the swapper moves the KV out of the cheapest window: the adapter goes in, nothing is evicted, and
-    every request row and tree path still reads the same K and V bytes from SGLang's buffers."""
+    running slot sits in every window), so without moves the load is "not now". With moves allowed, the swapper
+    moves the KV out of the cheapest window: the adapter goes in, nothing is evicted, and every request row and tree
+    path still reads the same K and V bytes from SGLang's buffers."""
     kv, allocator, tree, memory, adapters, clock = world
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
