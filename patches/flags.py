@@ -82,6 +82,9 @@ class MultiLoRAArgs:
     # multiqueue with the unified pool: a request whose adapter has not fitted for this share of the TTFT SLO holds
     # admission until it does (0: never).
     memory_hold_share: float = 0.5
+    # multiqueue: a request with no token yet that has waited this share of the TTFT SLO for KV room gets a room
+    # squash (running decodes retracted, their KV kept as cache; 0: never).
+    room_squash_share: float = 0.0
     # The memory hold also admits what fits the room the held request will not need (backfill).
     hold_backfill: bool = False
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
@@ -365,6 +368,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "evicting every idle adapter) for this share of --multilora-ttft-slo-s, no other request is admitted until "
         "it is, so that what the running requests free goes to its adapter rather than to other queues' requests. "
         "0: never (the published algorithm, under which a steady stream into another queue can keep it out).",
+    )
+    group.add_argument(
+        "--multilora-room-squash-share",
+        type=_non_negative_float,
+        default=MultiLoRAArgs.room_squash_share,
+        metavar="SHARE",
+        help="multiqueue: once the oldest waiting request has waited this share of --multilora-ttft-slo-s and the "
+        "KV room it needs would not come from running requests ending within the SLO, the running decodes that "
+        "would hold their room longest are retracted (their KV kept as cache, so resuming recomputes little unless "
+        "it was evicted) and it goes in next. Trades those requests' end-to-end time for its first token. "
+        "0 (the default): never.",
     )
     group.add_argument(
         "--multilora-hold-backfill",

@@ -47,6 +47,13 @@ request that cannot run); the squash itself loads the adapter of the request it 
 Not squashed: the adapter of a chunked prefill in progress. SGLang's pinned adapters are not modelled (with pinned
 adapters its check can refuse what the plan admits; the refused request is pushed back and keeps its place).
 
+Room squashes (`sgl_multilora/sched/room.py`, `--multilora-room-squash-share`), with the unified pool: when the oldest
+fresh queued request has waited that share of the SLO and the pool's room (as for the bypass squash) lacks what it
+needs (prompt less its cached prefix, predicted output, its adapter while not resident), and the running requests
+ending at the measured decode step would not free it within the SLO, the decodes with the most remaining tokens are
+retracted, their KV kept in the tree as for a slot squash (so the room they free is evictable cache, reclaimed in
+score order), and the next pass admits that request alone.
+
 Slot drains (slots.py, rule 3; `--multilora-slot-drain-share`) live in the plan alone: the drained adapter's queued
 requests are not planned, so SGLang's pass does not take them, and nothing is retracted. They serve the requests no
 squash serves, above all the squash's own victims: before the drain, under sustained load (every running adapter
@@ -67,6 +74,7 @@ from sgl_multilora.patches.state import process_state
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.multiqueue import MultiQueueScheduler
 from sgl_multilora.sched.request import MeasuredRates, SchedRequest, TimingModel
+from sgl_multilora.sched.room import RoomVictim
 from sgl_multilora.sched.wrs import WrsNormalizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +102,7 @@ class LiveScheduler:
                              slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf,
                              memory_hold_share=args.memory_hold_share if args.memory_hold_share > 0 else math.inf,
                              memory_hold_backfill=args.hold_backfill,
+                             room_squash_share=args.room_squash_share if args.room_squash_share > 0 else math.inf,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)
         cache = getattr(scheduler, "tree_cache", None)
@@ -250,7 +259,8 @@ class LiveScheduler:
         """Retracts the running requests the squash rules take back now (module docstring); returns them."""
         if running_batch is None:
             return []
-        return self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
+        return (self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
+                + self._room_squash(scheduler, running_batch))
 
     def _retract(self, scheduler, running_batch, victims: list, keep_kv: bool = False) -> None:
         """SGLang's retraction of running requests, without evicting for the others' decode. `keep_kv`: their KV
@@ -303,6 +313,51 @@ class LiveScheduler:
             logger.info("sgl_multilora: squashed request %s (it bypassed %s, whose adapter now fits)",
                         req.rid, beneficiary)
         return [req for req, _ in victims]
+
+    def _room_squash(self, scheduler, running_batch) -> list:
+        """The room squash (module docstring; `sgl_multilora/sched/room.py`): with the unified pool, room and
+        footprints are the pool's, as for the bypass squash; a victim's remaining time is its remaining tokens
+        (the predicted output, capped by `max_new_tokens`) at the measured decode step."""
+        memory = process_state().memory
+        if memory is None or math.isinf(self.mq.config.room_squash_share) or not running_batch.reqs:
+            return []
+        reqs = {r.rid: r for r in running_batch.reqs
+                if not r.finished() and r.kv.holds_kv and r is not scheduler.chunked_req}
+        identity, room = self._identity, memory.room()
+        step_s = self.mq.config.timing.decode_s_per_token
+
+        def need(r: SchedRequest) -> int:
+            return r.new_len + r.pred_out_len + memory.slots_to_start(r.adapter)
+
+        def victims() -> list[RoomVictim]:
+            out = []
+            for rid, sr in self.mq.running.items():
+                req = reqs.get(rid)
+                if req is None:
+                    continue  # not in the decode batch (a chunked prefill in progress, between states)
+                produced = len(req.output_ids)
+                cap = getattr(req.sampling_params, "max_new_tokens", None)
+                left = max(1, sr.pred_out_len - produced)
+                if cap is not None:
+                    left = max(0, min(left, int(cap) - produced))
+                owned = max(0, int(req.kv.kv_allocated_len) - int(req.kv.cache_protected_len))
+                node = req.lock.node if req.lock is not None else None
+                footprint = memory.room_without(identity(req), node, owned) - room
+                out.append(RoomVictim(sr, footprint, left * step_s, decoding=produced > 0))
+            return out
+
+        squash = self.mq.room_squash(self.now(), room, need, victims)
+        if squash is None:
+            return []
+        retracted = [reqs[r.rid] for r in squash.victims]
+        self._retract(scheduler, running_batch, retracted, keep_kv=True)
+        self.mq.commit_room_squash(squash)  # before SGLang queues them, so `on_arrival` finds them queued
+        for req in retracted:
+            scheduler._add_request_to_queue(req, is_retracted=True)
+        logger.info("sgl_multilora: squashed %d running request(s) for request %s's KV room (%d slots short; "
+                    "running requests ending would have freed them in %.1f s)", len(retracted),
+                    squash.beneficiary.rid, squash.shortfall, squash.wait_s)
+        return retracted
 
     def _slot_squash(self, scheduler, running_batch) -> list:
         cap = self.slot_cap(scheduler)
@@ -367,6 +422,7 @@ class LiveScheduler:
             "promoted": list(s.promoted), "counts": s.counts, "predictor": dataclasses.asdict(s.predictor),
             "requeued_by_engine": self.num_requeued, "squashed": self.num_squashed,
             "slot_squashed": s.counts["slot_squashed"], "slot_reserved_for": self.mq.slot_reserved_for,
+            "room_reserved_for": self.mq.room_reserved_for,
             "timing": dataclasses.asdict(self.timing()),
             "last_stops": {str(q): dataclasses.asdict(st) for q, st in sorted(self.mq.last_stops.items())},
             "slot_drain": None if self.mq.slot_drain is None else dataclasses.asdict(self.mq.slot_drain),

@@ -23,6 +23,8 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   it, and a fair stock counterpart is SGLang's HiCache with the same host memory (which does not start on CPU).
 - `ours-mq...-overdue<S>` (optional, before `-drain`): the multi-queue arm with `--multilora-overdue-s S` (requests
   waiting S seconds go first, oldest first), to weigh that bound on the tail in one run.
+- `ours-mq...-room<X>` (optional, before `-drain`): the multi-queue arm with `--multilora-room-squash-share X`
+  (running decodes retracted for a request that has waited X of the SLO for KV room).
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
   cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
   pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
@@ -172,24 +174,33 @@ def overdue_s(name: str) -> float | None:
     return _positive_option(_OVERDUE, name, "-overdue<S> takes a wait S > 0 in seconds")
 
 
+def room_share(name: str) -> float | None:
+    """The arm's `--multilora-room-squash-share` (`-room<X>` in its name), else None. Raises ValueError for a value
+    that is not a number > 0."""
+    return _positive_option(_ROOM, name, "-room<X> takes a share X > 0 of the TTFT SLO")
+
+
 _HOST = re.compile(r"-host([^-]*)")
 _OVERDUE = re.compile(r"-overdue([^-]*)")
+_ROOM = re.compile(r"-room([^-]*)")
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
 
 
 def _without_options(name: str) -> str:
-    """The arm name without its `-nomove`, `-host<GB>` and `-overdue<S>` parts (the rest of the grammar is
-    positional)."""
-    return _OVERDUE.sub("", _HOST.sub("", name.replace("-nomove", "", 1), count=1), count=1)
+    """The arm name without its `-nomove`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of the grammar
+    is positional)."""
+    name = _HOST.sub("", name.replace("-nomove", "", 1), count=1)
+    return _ROOM.sub("", _OVERDUE.sub("", name, count=1), count=1)
 
 
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-overdue<S>][-drain]` -> (base, cap or
-    None for the common one, drainer on); `-hold<X>` (`split_hold`) and `-overdue<S>` (`overdue_s`) only on
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-overdue<S>][-room<X>][-drain]` -> (base,
+    cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-overdue<S>` (`overdue_s`) and
+    `-room<X>` (`room_share`) only on
     `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any
     other name."""
     ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
-    overdue = overdue_s(name)
+    mq_only = "-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None else None
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
@@ -199,8 +210,8 @@ def parse_arm(name: str) -> tuple[str, int | None, bool]:
                          f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
     if ours_only and base == "stock":
         raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
-    if overdue is not None and base != "ours-mq":
-        raise ValueError(f"unknown arm {name!r}: -overdue<S> is an option of the multi-queue scheduler (ours-mq)")
+    if mq_only and base != "ours-mq":
+        raise ValueError(f"unknown arm {name!r}: {mq_only} is an option of the multi-queue scheduler (ours-mq)")
     return base, int(cap) if cap else None, drain
 
 
@@ -228,6 +239,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
             extra += ["--multilora-hold-backfill"]
         if overdue_s(name) is not None:
             extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
+        if room_share(name) is not None:
+            extra += ["--multilora-room-squash-share", f"{room_share(name):g}"]
     if no_kv_moves(name):
         extra += ["--multilora-disable-kv-moves"]
     if host_gb(name) is not None:
@@ -392,7 +405,7 @@ def ordered_arms(names) -> list[str]:
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
         return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
-                host_gb(name) or 0.0, overdue_s(name) or 0.0, drain)
+                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, drain)
 
     return sorted(names, key=key)
 

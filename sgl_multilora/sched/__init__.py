@@ -5,7 +5,8 @@ Lives here: the engine-agnostic core, plain Python (no sglang, no torch), driven
 hook and by the simulator alike. Not here: memory or adapter loading (callers answer "is this
 adapter resident" and start prefetches through callbacks) and SGLang's request objects.
 Module map: request (SchedRequest, TimingModel, MeasuredRates), wrs, predictor, kmeans, quotas, plan, queues,
-admission (one queue's scan), bypass, config, stats, multiqueue (MultiQueueScheduler).
+admission (one queue's scan), bypass, slots (adapter slots), room (the room squash), config, stats,
+multiqueue (MultiQueueScheduler).
 """
 
 from __future__ import annotations

@@ -98,6 +98,12 @@ class SchedConfig:
     """During a memory hold, admit what fits the room the held request will not need once the
     requests running at the hold's start drain (multiqueue.py, backfill; only when the caller tells
     the adapters' sizes). False (the default): the hold admits nothing else."""
+    room_squash_share: float = math.inf
+    """A queued request with no token out yet that has waited this share of the TTFT SLO, whose need exceeds
+    the room the engine could free now and whom running requests ending would not serve within the SLO, gets a
+    room squash (room.py): the running decodes that would hold their room longest are retracted, keeping their KV
+    as cache, and the next batch admits it first. Trades the victims' end-to-end time for its first token.
+    math.inf (the default): never."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -118,6 +124,7 @@ class SchedConfig:
             "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
             "slot_drain_share >= 0": self.slot_drain_share >= 0,
             "memory_hold_share >= 0": self.memory_hold_share >= 0,
+            "room_squash_share >= 0": self.room_squash_share >= 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

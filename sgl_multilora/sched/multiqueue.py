@@ -30,6 +30,9 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   Off by default (`config.memory_hold_backfill`): its first version, which left the locked
   prefixes out, let chatbot turns with long cached histories take the held request's room
   (eval/results/unified_memory_chatbot_backfill_seed1.md).
+- Room reservation (not in the paper; room.py, `config.room_squash_share`), before the memory
+  hold: the batch after a room squash admits its beneficiary alone, before the victims (older, so first in every phase)
+  could take the room back; if it cannot go in, the batch takes nothing. One batch.
 - Phase 0, only with `config.overdue_s` set (not in the paper): requests queued that long go
   first, oldest first across queues, each charged to its own queue whatever its quota. If the
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
@@ -84,6 +87,7 @@ from sgl_multilora.sched.admission import (
     scan_queue,
 )
 from sgl_multilora.sched.bypass import BypassBook, SquashInfo, squash_candidates
+from sgl_multilora.sched.room import RoomSquash, RoomVictim, choose_room_squash
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.plan import SchedPlan, fit_plan, fixed_plan, single_queue_plan
 from sgl_multilora.sched.predictor import OutputLengthPredictor
@@ -122,6 +126,7 @@ class MultiQueueScheduler:
         self._budget_skips: dict[int, tuple[str, int]] = {}  # queue -> (stopped rid, batches)
         self._promoted: dict[int, int] = {}  # queue -> batch number of its promotion
         self._slot_reserved: str | None = None  # the rid a slot squash or drain freed a slot for
+        self._room_reserved: str | None = None  # the rid a room squash freed KV room for
         self._drain: SlotDrain | None = None
         self._slot_wait_floor = math.inf  # no queued request has waited for a slot since before this
         self._window_counts: dict[str | None, int] = {}  # adapter -> its requests in the window
@@ -132,7 +137,8 @@ class MultiQueueScheduler:
                        "pushed_back": 0, "overdue": 0, "slot_squashes": 0, "slot_squashed": 0,
                        "slot_skips": 0, "slot_drains": 0, "memory_holds": 0, "stops_quota": 0,
                        "stops_budget": 0, "stops_lookahead": 0, "stops_bypass": 0,
-                       "stops_overdue_hold": 0, "stops_memory_hold": 0, "backfills": 0}
+                       "stops_overdue_hold": 0, "stops_memory_hold": 0, "backfills": 0,
+                       "room_squashes": 0, "room_squashed": 0, "room_admits": 0}
         self.last_stops: dict[int, Stop] = {}
         """Queue -> why the last batch admitted nothing more from it (queues it drained are absent)."""
         self.last_passes = {"slot": 0, "not_resident": 0}
@@ -170,6 +176,8 @@ class MultiQueueScheduler:
             self._clear_skip(r)
             if rid == self._slot_reserved:
                 self._slot_reserved = None
+            if rid == self._room_reserved:
+                self._room_reserved = None
             if self._drain is not None and rid == self._drain.beneficiary:
                 self._drain = None
         return r
@@ -186,7 +194,7 @@ class MultiQueueScheduler:
         return r
 
     def requeue(self, rid: str, squash: bool = False, pushed_back: bool = False, *,
-                slot_squash: bool = False) -> SchedRequest:
+                slot_squash: bool = False, room_squash: bool = False) -> SchedRequest:
         """A running request goes back to its arrival position (squashed, retracted by the engine,
         or `pushed_back`: planned by the last `build_batch` but not taken by the engine, whose own
         limits, such as a cap on running requests, the plan does not see) and its tokens return.
@@ -197,9 +205,9 @@ class MultiQueueScheduler:
         r = self._pop_running(rid)
         r.admitted_at = None
         r.resumed = r.resumed or not pushed_back
-        if squash or slot_squash:
+        if squash or slot_squash or room_squash:
             r.num_squashes += 1
-            self.counts["slot_squashed" if slot_squash else "squashes"] += 1
+            self.counts["slot_squashed" if slot_squash else "room_squashed" if room_squash else "squashes"] += 1
         q = self.plan.route(r.wrs)
         self.queues.push_in_order(r, q)
         if pushed_back and r.memory_blocked_since is not None:
@@ -253,7 +261,8 @@ class MultiQueueScheduler:
                                  None if drain is None else drain.beneficiary)
         ctx = BatchContext(now, budget_tokens, is_resident, request_prefetch, slots)
         batch: list[SchedRequest] = []
-        held = self._memory_hold(ctx, batch, adapter_tokens) or self._admit_overdue(ctx, batch)
+        held = (self._room_reservation(ctx, batch) or self._memory_hold(ctx, batch, adapter_tokens)
+                or self._admit_overdue(ctx, batch))
         self.counts["slot_skips"] += ctx.slot_skips
         if held:
             self._end_batch(ctx)
@@ -282,7 +291,22 @@ class MultiQueueScheduler:
         if ctx.slot_waits_started:
             self._slot_wait_floor = min(self._slot_wait_floor, ctx.now)
         self._slot_reserved = None
+        self._room_reserved = None
         self._num_batches += 1
+
+    def _room_reservation(self, ctx: BatchContext, batch: list[SchedRequest]) -> bool:
+        """The batch after a room squash (room.py): its beneficiary goes in alone, before anything else could take
+        the room its victims gave back (they are older, so every phase would reach them first); if it cannot (its
+        adapter evicted meanwhile, its cost over the budget), the batch takes nothing, and the reservation ends
+        with it either way. True when the batch ends here."""
+        r = self.queues.get(self._room_reserved) if self._room_reserved is not None else None
+        if r is None:
+            return False
+        fits = ctx.budget is None or r.cost_tokens <= ctx.budget or not self._running
+        if ctx.has_slot(r) and (ctx.resident(r.adapter) or ctx.fetch(r)) and fits:
+            self._admit_to_own_queue(r, ctx, batch)
+            self.counts["room_admits"] += 1
+        return True
 
     def _memory_hold(self, ctx: BatchContext, batch: list[SchedRequest],
                      adapter_tokens: Callable[[str], int] | None = None) -> bool:
@@ -591,6 +615,41 @@ class MultiQueueScheduler:
         self._slot_reserved = squash.beneficiary.rid
         self.counts["slot_squashes"] += 1
 
+    def room_squash(self, now: float, room: int, need: Callable[[SchedRequest], int],
+                    running: Callable[[], list[RoomVictim]]) -> RoomSquash | None:
+        """The room squash to apply now, if any (room.py): R1 is the oldest queued request never resumed, `room`
+        what the engine could free now, `need(r)` the slots r waits for, `running()` the running requests as
+        victims (called only once R1 qualifies: footprints cost the caller a look at its memory). None when the rule
+        is off, while an earlier squash's beneficiary is still reserved, or when R1 does not qualify.
+        O(queues + queued requests resumed ahead of each queue's oldest fresh one). Modifies nothing: the caller
+        retracts the victims in the engine, then calls `commit_room_squash`."""
+        if math.isinf(self.config.room_squash_share) or self._room_reserved in self.queues:
+            return None
+        r1 = None
+        for q in range(self.queues.num_queues):
+            for r in self.queues.scan(q):  # arrival order: the first fresh one is the queue's oldest
+                if not r.resumed:
+                    if r1 is None or r.seq < r1.seq:
+                        r1 = r
+                    break
+        if r1 is None or now - r1.arrival < self.config.room_squash_share * self.config.ttft_slo_s:
+            return None
+        victims = [v for v in running() if v.request.rid in self._running]
+        return choose_room_squash(r1, need(r1), room, victims, now, self.config)
+
+    def commit_room_squash(self, squash: RoomSquash) -> None:
+        """After the engine retracted `squash.victims`: each goes back to its arrival position, and the next batch
+        admits the beneficiary first (`_room_reservation`)."""
+        for r in squash.victims:
+            self.requeue(r.rid, room_squash=True)
+        self._room_reserved = squash.beneficiary.rid
+        self.counts["room_squashes"] += 1
+
+    @property
+    def room_reserved_for(self) -> str | None:
+        """The queued rid a room squash reserved the next batch for (None: no reservation)."""
+        return self._room_reserved if self._room_reserved in self.queues else None
+
     @property
     def slot_reserved_for(self) -> str | None:
         """The queued rid a slot squash reserved a slot for (None: no reservation)."""
@@ -695,6 +754,8 @@ class MultiQueueScheduler:
             assert sum(t for _, t in r.charges) == r.cost_tokens, f"{r} charges {r.charges}"
         assert self._slot_reserved is None or self._slot_reserved in self.queues, \
             f"a slot reserved for {self._slot_reserved}, which is not queued"
+        assert self._room_reserved is None or self._room_reserved in self.queues, \
+            f"room reserved for {self._room_reserved}, which is not queued"
         assert self._drain is None or self._drain.beneficiary in self.queues, \
             f"a drain for {self._drain.beneficiary}, which is not queued"
         counts: dict[str | None, int] = {}

@@ -39,6 +39,8 @@ class SchedStats:
     counts: dict[str, int]
     """Since start: admitted, finished, bypasses, squashes (requests retracted for adapter
     memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
+    room_squashes, room_squashed and room_admits (room squashes, the requests they retracted, and
+    beneficiaries the batch after one admitted: room.py),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
     count in many batches), refreshes, pushed_back, overdue, memory_holds (batches that took
     nothing while a memory-blocked request waited for room: multiqueue.py), backfills (requests

@@ -287,6 +287,14 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     for bad in ("stock-overdue2", "ours-cap8-overdue2", "ours-mq-overdue", "ours-mq-overdue0", "ours-mq-overduex"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
+    # -room<X>: the multi-queue scheduler's room squash, beside the overdue wait too
+    assert arm_spec("ours-mq-cap8-room0.5", args, workload, 64)[1][-2:] == ["--multilora-room-squash-share", "0.5"]
+    assert arm_spec("ours-mq-cap8-overdue2-room1", args, workload, 64)[1][-4:] == [
+        "--multilora-overdue-s", "2", "--multilora-room-squash-share", "1"]
+    assert parse_arm("ours-mq-cap8-room0.25-drain") == ("ours-mq", 8, True)
+    for bad in ("stock-room0.5", "ours-cap8-room0.5", "ours-mq-room", "ours-mq-room0", "ours-mq-roomx"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            parse_arm(bad)
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
         arm_spec("stock-cap40", args, workload, 64)
 
