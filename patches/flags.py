@@ -85,6 +85,9 @@ class MultiLoRAArgs:
     # multiqueue: a request with no token yet that has waited this share of the TTFT SLO for KV room gets a room
     # squash (running decodes retracted, their KV kept as cache; 0: never).
     room_squash_share: float = 0.0
+    # multiqueue with the unified pool: while requests run, the plan's budget leaves out the cached KV that waiting
+    # requests' prefixes match, so admitting one request never evicts another's history.
+    protect_queued_kv: bool = False
     # The memory hold also admits what fits the room the held request will not need (backfill).
     hold_backfill: bool = False
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
@@ -388,6 +391,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "that a running request uses still go in while the room left once the running requests drain covers the "
         "held request, its adapter and their locked prefixes (backfill). Off by default: the hold admits nothing "
         "else.",
+    )
+    group.add_argument(
+        "--multilora-protect-queued-kv",
+        action="store_true",
+        default=MultiLoRAArgs.protect_queued_kv,
+        help="multiqueue with the unified pool: while requests run, the token budget an admission pass plans with "
+        "leaves out the cached KV that waiting requests' prefixes match (their histories), so that admitting one "
+        "request never evicts what another queued request would reuse; the room comes from running requests ending "
+        "instead. Off by default.",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -54,6 +54,13 @@ ending at the measured decode step would not free it within the SLO, the decodes
 retracted, their KV kept in the tree as for a slot squash (so the room they free is evictable cache, reclaimed in
 score order), and the next pass admits that request alone.
 
+Queued prefixes (`--multilora-protect-queued-kv`), with the unified pool: while anything runs, the budget a pass plans
+with leaves out the unlocked KV that waiting requests' prefixes match (`Swapper.wanted_kv_slots`, the KV the swapper
+evicts last), so that a request admitted ahead of a queued follow-up turn does not take its history and make it
+recompute what it would have reused; the room comes from running requests ending instead. With nothing running the
+whole budget counts (waiting would free nothing). A planned request's own prefix is among those left out, but its
+cost does not count it either (it reuses it).
+
 Slot drains (slots.py, rule 3; `--multilora-slot-drain-share`) live in the plan alone: the drained adapter's queued
 requests are not planned, so SGLang's pass does not take them, and nothing is retracted. They serve the requests no
 squash serves, above all the squash's own victims: before the drain, under sustained load (every running adapter
@@ -115,6 +122,7 @@ class LiveScheduler:
         self._last_hold_log = -math.inf
         self._last_step_s: float | None = None  # when the previous step's result came in, if work went on after it
         self._rates = MeasuredRates(TIMING_EMA)
+        self._protect_queued_kv = args.protect_queued_kv
 
     @staticmethod
     def now() -> float:
@@ -190,6 +198,8 @@ class LiveScheduler:
                 self.mq.remove(r.rid)  # aborted while queued
         budget = int(scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size())
         memory = process_state().memory
+        if memory is not None and running and self._protect_queued_kv:
+            budget = max(0, budget - memory.swapper.wanted_kv_slots())  # module docstring: queued prefixes
         is_resident = None if memory is None else memory.residency.is_resident
         prefetch = None if memory is None else self._prefetch
         cap = self.slot_cap(scheduler)

@@ -135,6 +135,14 @@ class Swapper:
             self._wanted_kv = set() if keys is None else self.tree.prefix_node_ids(keys())
         return self._wanted_kv
 
+    def wanted_kv_slots(self) -> int:
+        """Slots of the unlocked KV that the waiting keys' prefixes match (what `make_room` evicts last): the cached
+        room an admission of other requests would take from them. Matched afresh (one tree walk per key)."""
+        keys = self._waiting_keys
+        if keys is None:
+            return 0
+        return sum(len(node.key) for node in self.tree.prefix_nodes(keys()).values() if node.lock_ref == 0)
+
     # ---- busy: evict -----------------------------------------------------------------------------
 
     def make_room(self, num_slots: int, protect: str | None = None, *, run: int = 0) -> bool:

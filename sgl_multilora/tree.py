@@ -307,13 +307,17 @@ class LoraRadixTree:
         """Ids of the KV nodes holding any of the cached prefixes of `keys`: each key's match (with
         `touch=False`, so a pure query) ends at a node, and that node and its KV ancestors hold the
         prefix. For an evictor that frees what waiting requests will reuse last. O(matched nodes)."""
-        ids: set[int] = set()
+        return set(self.prefix_nodes(keys))
+
+    def prefix_nodes(self, keys: Iterable[MatchKey]) -> dict[int, Node]:
+        """`prefix_node_ids` with the nodes themselves (id -> node), each once however many keys share it."""
+        nodes: dict[int, Node] = {}
         for key in keys:
             node = self.match(key, touch=False).last_node
-            while node.kind is _KV and node.id not in ids:
-                ids.add(node.id)
+            while node.kind is _KV and node.id not in nodes:
+                nodes[node.id] = node
                 node = node.parent
-        return ids
+        return nodes
 
     # ---- lengths, stats, invariants --------------------------------------------------------------
 

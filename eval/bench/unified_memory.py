@@ -23,6 +23,8 @@ Arms (both serve the same random PEFT adapters, named and ranked as the workload
   it, and a fair stock counterpart is SGLang's HiCache with the same host memory (which does not start on CPU).
 - `ours-mq...-overdue<S>` (optional, before `-drain`): the multi-queue arm with `--multilora-overdue-s S` (requests
   waiting S seconds go first, oldest first), to weigh that bound on the tail in one run.
+- `ours-mq...-protect` (optional, before `-drain`): the multi-queue arm with `--multilora-protect-queued-kv` (the
+  plan's budget leaves out the histories waiting requests would reuse).
 - `ours-mq...-room<X>` (optional, before `-drain`): the multi-queue arm with `--multilora-room-squash-share X`
   (running decodes retracted for a request that has waited X of the SLO for KV room).
 - `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
@@ -150,6 +152,11 @@ def no_kv_moves(name: str) -> bool:
     return "-nomove" in name
 
 
+def protects_queued_kv(name: str) -> bool:
+    """Whether the arm runs with `--multilora-protect-queued-kv` (`-protect` in its name)."""
+    return "-protect" in name
+
+
 def _positive_option(pattern: re.Pattern, name: str, usage: str) -> float | None:
     """The number after an option of the arm name (`pattern`'s group), else None. Raises ValueError naming `usage`
     for a value that is not a number > 0."""
@@ -187,20 +194,20 @@ _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
 
 
 def _without_options(name: str) -> str:
-    """The arm name without its `-nomove`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of the grammar
-    is positional)."""
-    name = _HOST.sub("", name.replace("-nomove", "", 1), count=1)
+    """The arm name without its `-nomove`, `-protect`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of
+    the grammar is positional)."""
+    name = _HOST.sub("", name.replace("-nomove", "", 1).replace("-protect", "", 1), count=1)
     return _ROOM.sub("", _OVERDUE.sub("", name, count=1), count=1)
 
 
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-host<GB>][-overdue<S>][-room<X>][-drain]` -> (base,
-    cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-overdue<S>` (`overdue_s`) and
-    `-room<X>` (`room_share`) only on
-    `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any
-    other name."""
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`
+    -> (base, cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-protect`
+    (`protects_queued_kv`), `-overdue<S>` (`overdue_s`) and `-room<X>` (`room_share`) only on `ours-mq`, `-nomove`
+    (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any other name."""
     ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
-    mq_only = "-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None else None
+    mq_only = ("-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None
+               else "-protect" if protects_queued_kv(name) else None)
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
@@ -241,6 +248,8 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
             extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
         if room_share(name) is not None:
             extra += ["--multilora-room-squash-share", f"{room_share(name):g}"]
+        if protects_queued_kv(name):
+            extra += ["--multilora-protect-queued-kv"]
     if no_kv_moves(name):
         extra += ["--multilora-disable-kv-moves"]
     if host_gb(name) is not None:
@@ -405,7 +414,8 @@ def ordered_arms(names) -> list[str]:
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
         return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
-                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, drain)
+                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, protects_queued_kv(name),
+                drain)
 
     return sorted(names, key=key)
 

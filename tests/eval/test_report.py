@@ -295,6 +295,13 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     for bad in ("stock-room0.5", "ours-cap8-room0.5", "ours-mq-room", "ours-mq-room0", "ours-mq-roomx"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
+    # -protect: the plan's budget leaves out the histories waiting requests would reuse
+    assert arm_spec("ours-mq-cap8-protect", args, workload, 64)[1][-1:] == ["--multilora-protect-queued-kv"]
+    assert arm_spec("ours-mq-cap8-nomove-protect-room0.5", args, workload, 64)[1][-4:] == [
+        "--multilora-room-squash-share", "0.5", "--multilora-protect-queued-kv", "--multilora-disable-kv-moves"]
+    for bad in ("stock-protect", "ours-cap8-protect"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            parse_arm(bad)
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):
         arm_spec("stock-cap40", args, workload, 64)
 
