@@ -101,6 +101,13 @@ def test_memory_flags(monkeypatch):
     assert not flags.MultiLoRAArgs().hold_backfill  # a hold admits nothing else by default
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-hold-backfill"])
     assert flags.pop_from_namespace(ns).hold_backfill
+    assert flags.MultiLoRAArgs().room_squash_share == 0.0 and not flags.MultiLoRAArgs().protect_queued_kv  # off
+    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-room-squash-share", "0.25",
+                              "--multilora-protect-queued-kv"])
+    got = flags.pop_from_namespace(ns)
+    assert (got.room_squash_share, got.protect_queued_kv) == (0.25, True)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--multilora-room-squash-share", "-1"])
     assert not flags.MultiLoRAArgs().disable_kv_moves  # KV moves to free a run for an adapter by default
     assert flags.pop_from_namespace(parser().parse_args(["--multilora-disable-kv-moves"])).disable_kv_moves
     # the unified pool needs the tree backend (set at parse time) and `unified`
