@@ -269,8 +269,8 @@ class LiveScheduler:
         """Retracts the running requests the squash rules take back now (module docstring); returns them."""
         if running_batch is None:
             return []
-        return (self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
-                + self._room_squash(scheduler, running_batch))
+        taken = self._memory_squash(scheduler, running_batch) + self._slot_squash(scheduler, running_batch)
+        return taken or self._room_squash(scheduler, running_batch)  # one reservation for the next pass at most
 
     def _retract(self, scheduler, running_batch, victims: list, keep_kv: bool = False) -> None:
         """SGLang's retraction of running requests, without evicting for the others' decode. `keep_kv`: their KV

@@ -31,8 +31,9 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   prefixes out, let chatbot turns with long cached histories take the held request's room
   (eval/results/unified_memory_chatbot_backfill_seed1.md).
 - Room reservation (not in the paper; room.py, `config.room_squash_share`), before the memory
-  hold: the batch after a room squash admits its beneficiary alone, before the victims (older, so first in every phase)
-  could take the room back; if it cannot go in, the batch takes nothing. One batch.
+  hold: the batch after a room squash admits its beneficiary alone, before the victims (older,
+  so first in every phase) could take the room back; if it cannot go in, the batch takes
+  nothing. One batch.
 - Phase 0, only with `config.overdue_s` set (not in the paper): requests queued that long go
   first, oldest first across queues, each charged to its own queue whatever its quota. If the
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
@@ -87,13 +88,13 @@ from sgl_multilora.sched.admission import (
     scan_queue,
 )
 from sgl_multilora.sched.bypass import BypassBook, SquashInfo, squash_candidates
-from sgl_multilora.sched.room import RoomSquash, RoomVictim, choose_room_squash
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.plan import SchedPlan, fit_plan, fixed_plan, single_queue_plan
 from sgl_multilora.sched.predictor import OutputLengthPredictor
 from sgl_multilora.sched.queues import QueueSet
 from sgl_multilora.sched.quotas import QuotaLedger
 from sgl_multilora.sched.request import SchedRequest
+from sgl_multilora.sched.room import RoomSquash, RoomVictim, choose_room_squash
 from sgl_multilora.sched.slots import (
     AdapterSlots,
     SlotDrain,
