@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.conftest import ADAPTERS_DIR, start_server
-from tests.e2e.served import generate, memory, wait_idle
+from tests.e2e.served import generate, memory, random_ids, wait_idle, wait_running
 from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -47,23 +47,12 @@ def server(model_path):
     handle.stop()
 
 
-def _ids(tokenizer, n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += tokenizer(" ".join(rng.choices(words, k=n)), add_special_tokens=False).input_ids
-    return ids[:n]
-
-
 def test_a_long_decode_is_retracted_for_a_request_the_room_cannot_take_and_outputs_match_peft(server, tokenizer,
                                                                                               oracle):
     pool = memory(server)["unified_pool"]
     total, y_slots = pool["num_slots"], pool["adapter_sizes"][Y]["num_slots"]
     r0_len = total - y_slots - R1_LEN + MARGIN  # R0 and Y leave R1_LEN - MARGIN slots, less what R0 decodes
-    r0, r1 = _ids(tokenizer, r0_len, 30), _ids(tokenizer, R1_LEN, 31)
+    r0, r1 = random_ids(tokenizer, r0_len, 30), random_ids(tokenizer, R1_LEN, 31)
     assert r0_len + R0_NEW + y_slots + MARGIN <= total, (total, y_slots)  # R0 alone never needs a retraction
     before = memory(server)["scheduler"]["counts"]
 
@@ -76,10 +65,7 @@ def test_a_long_decode_is_retracted_for_a_request_the_room_cannot_take_and_outpu
 
     threads = {"r0": threading.Thread(target=send, args=("r0", Y, r0, R0_NEW))}
     threads["r0"].start()
-    deadline = time.monotonic() + 60
-    while memory(server)["scheduler"]["num_running"] < 1:  # R0 admitted (its prefill may still run)
-        assert time.monotonic() < deadline, "R0 never started"
-        time.sleep(0.02)
+    wait_running(server)  # R0 admitted
     threads["r1"] = threading.Thread(target=send, args=("r1", None, r1, R1_NEW))
     threads["r1"].start()
     for t in threads.values():

@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from tests.conftest import ADAPTERS_DIR, start_server
-from tests.e2e.served import generate, memory, wait_idle
+from tests.e2e.served import generate, memory, random_ids, wait_idle, wait_running
 from tests.oracle import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -71,31 +71,16 @@ def server(model_path, adapter_dir):
     handle.stop()
 
 
-def _ids(tokenizer, n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += tokenizer(" ".join(rng.choices(words, k=n)), add_special_tokens=False).input_ids
-    return ids[:n]
-
-
-def _scheduler(server) -> dict:
-    return memory(server)["scheduler"]
-
-
 def test_a_bypassing_request_is_squashed_for_the_blocked_one_and_outputs_match_peft(server, adapter_dir,
                                                                                      tokenizer, oracle):
     pool = memory(server)["unified_pool"]
     sizes = {name: a["num_slots"] for name, a in pool["adapter_sizes"].items()}
     total, headroom = pool["num_slots"], pool["num_slots"] // 100
-    r1 = _ids(tokenizer, 24, 1)
+    r1 = random_ids(tokenizer, 24, 1)
     need = sizes[BIG] + headroom + len(r1)  # what R1 waits for
     slack = total - need  # room left beside R1: R0 alone, and later R2 alone, must hold more than this
-    r0 = _ids(tokenizer, slack + MARGIN, 0)
-    r2 = _ids(tokenizer, slack + MARGIN - sizes[Y], 2)
+    r0 = random_ids(tokenizer, slack + MARGIN, 0)
+    r2 = random_ids(tokenizer, slack + MARGIN - sizes[Y], 2)
     # both running at their peak, with Y resident, fit beside each other (no retraction of SGLang's own)
     peak = len(r0) + R0_NEW + sizes[Y] + len(r2) + R2_NEW
     assert slack > 0 and len(r2) > 0 and peak + MARGIN <= total, (sizes, total, len(r0), len(r2))
@@ -103,8 +88,8 @@ def test_a_bypassing_request_is_squashed_for_the_blocked_one_and_outputs_match_p
 
     # The predictor learns that Y answers in a few tokens and the base model in R0_NEW (three requests each); Y is
     # resident afterwards.
-    train = [(Y, _ids(tokenizer, 16, 10 + i), Y_TRAIN_NEW) for i in range(3)]
-    train += [(None, _ids(tokenizer, 16, 20 + i), R0_NEW) for i in range(3)]
+    train = [(Y, random_ids(tokenizer, 16, 10 + i), Y_TRAIN_NEW) for i in range(3)]
+    train += [(None, random_ids(tokenizer, 16, 20 + i), R0_NEW) for i in range(3)]
     threads = [threading.Thread(target=generate, args=(server, *t)) for t in train]
     for t in threads:
         t.start()
@@ -120,10 +105,7 @@ def test_a_bypassing_request_is_squashed_for_the_blocked_one_and_outputs_match_p
 
     threads = {"r0": threading.Thread(target=send, args=("r0", None, r0, R0_NEW))}
     threads["r0"].start()
-    deadline = time.monotonic() + 60
-    while _scheduler(server)["num_running"] < 1:  # R0 admitted
-        assert time.monotonic() < deadline, "R0 never started"
-        time.sleep(0.02)
+    wait_running(server)  # R0 admitted
     threads["r1"] = threading.Thread(target=send, args=("r1", BIG, r1, R1_NEW))
     threads["r1"].start()
     time.sleep(0.2)  # R1 queued first
