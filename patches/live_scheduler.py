@@ -71,6 +71,7 @@ receiving requests), a retracted request waited up to 17.8 s to resume
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -333,7 +334,7 @@ class LiveScheduler:
             return []
         reqs = {r.rid: r for r in running_batch.reqs
                 if not r.finished() and r.kv.holds_kv and r is not scheduler.chunked_req}
-        identity, room = self._identity, memory.room()
+        identity, room = self._identity, functools.cache(memory.room)  # read once, and only if a request qualifies
         step_s = self.mq.config.timing.decode_s_per_token
 
         def need(r: SchedRequest) -> int:
@@ -352,7 +353,7 @@ class LiveScheduler:
                     left = max(0, min(left, int(cap) - produced))
                 owned = max(0, int(req.kv.kv_allocated_len) - int(req.kv.cache_protected_len))
                 node = req.lock.node if req.lock is not None else None
-                footprint = memory.room_without(identity(req), node, owned) - room
+                footprint = memory.room_without(identity(req), node, owned) - room()
                 out.append(RoomVictim(sr, footprint, left * step_s, decoding=produced > 0))
             return out
 

@@ -616,12 +616,13 @@ class MultiQueueScheduler:
         self._slot_reserved = squash.beneficiary.rid
         self.counts["slot_squashes"] += 1
 
-    def room_squash(self, now: float, room: int, need: Callable[[SchedRequest], int],
+    def room_squash(self, now: float, room: Callable[[], int], need: Callable[[SchedRequest], int],
                     running: Callable[[], list[RoomVictim]]) -> RoomSquash | None:
-        """The room squash to apply now, if any (room.py): R1 is the oldest queued request never resumed, `room`
+        """The room squash to apply now, if any (room.py): R1 is the oldest queued request never resumed, `room()`
         what the engine could free now, `need(r)` the slots r waits for, `running()` the running requests as
-        victims (called only once R1 qualifies: footprints cost the caller a look at its memory). None when the rule
-        is off, while an earlier squash's beneficiary is still reserved, or when R1 does not qualify.
+        victims (the callbacks are called only once R1 has waited long enough: they cost the caller a look at its
+        memory). None when the rule is off, while an earlier squash's beneficiary is still reserved, or when R1 does
+        not qualify.
         O(queues + queued requests resumed ahead of each queue's oldest fresh one). Modifies nothing: the caller
         retracts the victims in the engine, then calls `commit_room_squash`."""
         if math.isinf(self.config.room_squash_share) or self._room_reserved in self.queues:
@@ -636,7 +637,7 @@ class MultiQueueScheduler:
         if r1 is None or now - r1.arrival < self.config.room_squash_share * self.config.ttft_slo_s:
             return None
         victims = [v for v in running() if v.request.rid in self._running]
-        return choose_room_squash(r1, need(r1), room, victims, now, self.config)
+        return choose_room_squash(r1, need(r1), room(), victims, now, self.config)
 
     def commit_room_squash(self, squash: RoomSquash) -> None:
         """After the engine retracted `squash.victims`: each goes back to its arrival position, and the next batch

@@ -92,8 +92,7 @@ def choose_room_squash(r1: SchedRequest, need: int, room: int, running: Sequence
     wait = room_free_in_s(running, shortfall)
     if age + wait <= slo:
         return None
-    eligible = [v for v in running if v.decoding and v.footprint > 0 and v.request is not r1
-                and v.request.num_squashes < config.max_squashes]
+    eligible = [v for v in running if v.decoding and v.footprint > 0 and v.request.num_squashes < config.max_squashes]
     eligible.sort(key=lambda v: (-v.remaining_s, -v.footprint, v.request.seq))
     victims, freed = [], 0
     for v in eligible:

@@ -82,6 +82,10 @@ def scheduler(**overrides) -> MultiQueueScheduler:
     return s
 
 
+def unread(*_):
+    raise AssertionError("the memory was read before a request qualified")
+
+
 def as_victims(s: MultiQueueScheduler, remaining: dict[str, float], footprint: int = 500):
     return lambda: [RoomVictim(r, footprint, remaining[r.rid]) for r in s.running.values()]
 
@@ -95,13 +99,13 @@ def test_the_scheduler_squashes_for_the_oldest_fresh_request_and_admits_it_alone
     s.add(req("newer", arrival=1.5))
     remaining = {"old0": 0.2, "old1": 9.0, "old2": 4.0}
     need = lambda r: 1000  # noqa: E731
-    assert s.room_squash(1.9, 0, need, as_victims(s, remaining)) is None  # "new" has waited 0.9 s < 1 s
+    assert s.room_squash(1.9, unread, unread, unread) is None  # "new" has waited 0.9 s < 1 s: memory not read
     # room 0, need 1000: old0 ends at 0.2 s (500), old2 at 4 s (1000): too late; old1 (9 s) then old2 go
-    squash = s.room_squash(2.1, 0, need, as_victims(s, remaining))
+    squash = s.room_squash(2.1, lambda: 0, need, as_victims(s, remaining))
     assert [r.rid for r in squash.victims] == ["old1", "old2"] and squash.beneficiary.rid == "new"
     s.commit_room_squash(squash)
     assert s.room_reserved_for == "new" and sorted(s.running) == ["old0"]
-    assert s.room_squash(2.2, 0, need, as_victims(s, remaining)) is None  # one at a time
+    assert s.room_squash(2.2, lambda: 0, need, as_victims(s, remaining)) is None  # one at a time
     s.check_invariants()
     # the victims are older, yet the next batch takes "new" alone
     assert [r.rid for r in s.build_batch(2.2, budget_tokens=10_000)] == ["new"]
@@ -114,7 +118,7 @@ def test_the_scheduler_squashes_for_the_oldest_fresh_request_and_admits_it_alone
     s.on_finish("old0", 3.0, 10)
     s.on_finish("new", 3.0, 10)
     s.on_finish("newer", 3.0, 10)
-    assert s.room_squash(5.0, 0, need, as_victims(s, {"old1": 9.0, "old2": 9.0})) is None
+    assert s.room_squash(5.0, lambda: 0, need, as_victims(s, {"old1": 9.0, "old2": 9.0})) is None
     s.check_invariants()
 
 
@@ -124,7 +128,7 @@ def test_a_reservation_that_cannot_be_served_takes_nothing_for_one_batch_then_en
     s.add(req("other", arrival=0.0))
     s.build_batch(0.0)
     s.add(req("big", in_len=5000, arrival=1.0))
-    squash = s.room_squash(2.5, 0, lambda r: 6000, lambda: [RoomVictim(s.running["old"], 6000, 5.0)])
+    squash = s.room_squash(2.5, lambda: 0, lambda r: 6000, lambda: [RoomVictim(s.running["old"], 6000, 5.0)])
     s.commit_room_squash(squash)
     # its cost is over this batch's budget: the batch takes nothing (not "old", which would take the room back)
     assert s.build_batch(2.5, budget_tokens=100) == []
@@ -138,4 +142,4 @@ def test_off_by_default():
     s.add(req("old"))
     s.build_batch(0.0)
     s.add(req("new", arrival=1.0))
-    assert s.room_squash(100.0, 0, lambda r: 1000, lambda: [RoomVictim(s.running["old"], 5000, 60.0)]) is None
+    assert s.room_squash(100.0, unread, unread, unread) is None
