@@ -80,6 +80,10 @@ class _Collector:
                             swapper.get(f"{kind}_evictions"))
                     counter("evicted_slots", "Slots freed by pool evictions, by kind", {**r, "kind": kind},
                             swapper.get(f"{kind}_evicted_slots"))
+                by_age = swapper.get("kv_evicted_slots_by_age") or ()
+                for age, value in zip(("under_1s", "1_10s", "10_60s", "over_60s"), by_age):
+                    counter("kv_evicted_slots_by_age", "KV slots evicted, by how long they had been unused", {
+                        **r, "age": age}, value)
                 for cause, key in (("demand", "adapter_loads"), ("prefetch", "prefetches")):
                     counter("adapter_loads", "Adapter copies into the pool, by cause", {**r, "cause": cause},
                             swapper.get(key))

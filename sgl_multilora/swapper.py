@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Container, Iterable
-from dataclasses import asdict, dataclass
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
 from operator import attrgetter
 
 import numpy as np
@@ -62,6 +63,12 @@ _ADAPTER = NodeKind.ADAPTER
 WANTED_KV_SCAN = 256
 
 
+EVICTION_AGE_BOUNDS_S = (1.0, 10.0, 60.0)
+"""Buckets of `SwapperCounters.kv_evicted_slots_by_age`: evicted KV last used under 1 s, 1-10 s, 10-60 s and 60 s or
+more before its eviction. Slots evicted within a second of their last use mean that every evictable leaf was that
+fresh: the pool is smaller than what comes back (eviction order can no longer help; more memory or less load can)."""
+
+
 @dataclass(slots=True)
 class SwapperCounters:
     """Lifetime counts. Evictions by kind (KV runs and their slots; adapters and theirs); adapter loads
@@ -78,6 +85,8 @@ class SwapperCounters:
     kv_prefetched_slots: int = 0  # host KV copied back by the idle swap-in
     kv_compactions: int = 0  # runs freed for an adapter by moving KV out of a window (`compact`)
     kv_moved_slots: int = 0  # KV slots those moves copied
+    kv_evicted_slots_by_age: list[int] = field(default_factory=lambda: [0] * (len(EVICTION_AGE_BOUNDS_S) + 1))
+    """`kv_evicted_slots` by the time since the evicted KV was last used (`EVICTION_AGE_BOUNDS_S`)."""
 
 
 class Swapper:
@@ -181,7 +190,10 @@ class Swapper:
             if self.on_evict_kv is not None:
                 self.on_evict_kv(item)
             c = self.counters
-            c.kv_evicted_slots += self.tree.evict_leaf(item, self.free_kv)
+            age_bucket = bisect_right(EVICTION_AGE_BOUNDS_S, now - item.last_access)
+            slots = self.tree.evict_leaf(item, self.free_kv)
+            c.kv_evicted_slots += slots
+            c.kv_evicted_slots_by_age[age_bucket] += slots
             c.kv_evictions += 1
             if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
                 order.push((int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))

@@ -546,10 +546,9 @@ def report(record: dict) -> str:
         last = [r["swapper"] for r in runs if r["arm"] == ours and r.get("swapper")]
         if last and "lora_batch_skips" in last[-1]:
             keys = ("adapter_loads", "adapter_evictions", "prefetches", "refused_loads", "unreachable_runs",
-                    "kv_compactions", "kv_moved_slots", "kv_evicted_slots", "host_load_backs",
-                    "host_declined_load_backs", "skipped_admissions", "starvation_holds", "budget_stops",
-                    "lora_batch_skips",
-                    "scheduler_counts")
+                    "kv_compactions", "kv_moved_slots", "kv_evicted_slots", "kv_evicted_slots_by_age",
+                    "host_load_backs", "host_declined_load_backs", "skipped_admissions", "starvation_holds",
+                    "budget_stops", "lora_batch_skips", "scheduler_counts")
             lines += ["", f"{ours}'s pool and admission counters over the whole run: "
                       + ", ".join(f"{k} {last[-1][k]}" for k in keys if last[-1].get(k) is not None) + "."]
     if record.get("pooled"):

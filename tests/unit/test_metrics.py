@@ -14,7 +14,8 @@ MEMORY = {
         "bytes": {"adapter_weights": 100, "cached_kv": 200, "running_kv": 300, "in_flight": 0, "free": 400},
         "adapters": {"registered": 24, "resident": 7, "loading": 1},
         "swapper": {"kv_evictions": 5, "kv_evicted_slots": 50, "adapter_evictions": 2, "adapter_evicted_slots": 20,
-                    "adapter_loads": 9, "prefetches": 4, "refused_loads": 1, "invalid_kv_slots": 0},
+                    "adapter_loads": 9, "prefetches": 4, "refused_loads": 1, "invalid_kv_slots": 0,
+                    "kv_evicted_slots_by_age": [30, 15, 5, 0]},
     },
     "scheduler": {"num_queued": 3},
 }
@@ -40,6 +41,8 @@ def test_every_figure_is_a_sample_with_its_rank():
     assert got[("sgl_multilora_evictions_total", (("kind", "adapter"), *r))] == 2
     assert got[("sgl_multilora_evicted_slots_total", (("kind", "kv"), *r))] == 50
     assert got[("sgl_multilora_adapter_loads_total", (("cause", "prefetch"), *r))] == 4
+    assert got[("sgl_multilora_kv_evicted_slots_by_age_total", (("age", "under_1s"), *r))] == 30
+    assert got[("sgl_multilora_kv_evicted_slots_by_age_total", (("age", "over_60s"), *r))] == 0
     assert got[("sgl_multilora_refused_loads_total", r)] == 1
     assert got[("sgl_multilora_invalid_kv_slots", r)] == 0
     assert got[("sgl_multilora_queued_requests", r)] == 3

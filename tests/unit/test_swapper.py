@@ -142,10 +142,11 @@ def test_eviction_order_per_policy(policy, order):
     assert w.log.index("A") > w.log.index([0, 1]) and w.log.index("X") > w.log.index([4])
     assert w.log.index("B") > w.log.index([5])
     assert w.kinds()["free"] == 12 and w.residency.num_resident == 0
+    # at t=4, by age: B's [7] (used at 3.5) under 1 s; A's [1 2] (at 1), base [5 6] and X's [9] (read at 3) 1-10 s
     assert w.swapper.stats() == {"kv_evictions": 4, "kv_evicted_slots": 6, "adapter_evictions": 3,
                                  "adapter_evicted_slots": 6, "adapter_loads": 3, "prefetches": 0, "refused_loads": 0,
                                  "unreachable_runs": 0, "kv_prefetched_slots": 0, "kv_compactions": 0,
-                                 "kv_moved_slots": 0, "invalid_kv_slots": 0}
+                                 "kv_moved_slots": 0, "kv_evicted_slots_by_age": [1, 5, 0, 0], "invalid_kv_slots": 0}
     w.check()
 
 
