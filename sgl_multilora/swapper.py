@@ -29,7 +29,7 @@ Choices the paper leaves open (shared/reference/seed-elora.md), and why:
   a KV eviction only the newly eligible items are scored.
 - Adapters that waiting requests name (`wanted`, from the scheduler's queue) are evicted after every other
   candidate, whatever their score (Chameleon's cache-aware admission: a pool input, not a second cache). So is
-  the KV that waiting requests' prefixes match (`set_waiting`, matched by `LoraRadixTree.prefix_node_ids`): a
+  the KV that waiting requests' prefixes match (`set_waiting`, matched by `LoraRadixTree.prefix_nodes`): a
   follow-up turn queued behind a burst would otherwise lose its history to the requests admitted before it and
   recompute it, more work exactly when the server is short of it; the KV of a conversation not yet back is
   needed later than a queued request's (Belady's order, where the queue is the only foresight there is).
@@ -127,7 +127,7 @@ class Swapper:
         self.kv_prefetch: Callable[[int], int] | None = None
         self.wanted: Callable[[], Container[str]] | None = None  # adapters waiting requests name: evicted last
         self._waiting_keys: Callable[[], Iterable[MatchKey]] | None = None  # see set_waiting
-        self._wanted_kv: set[int] | None = None  # ids of the KV nodes those keys match, once an eviction asked
+        self._wanted_kv: dict[int, Node] | None = None  # id -> KV node those keys match, once asked for
         self.counters = SwapperCounters()
         self._next_swap_s = 0.0
         self._refused_prefetch: tuple[str, int] | None = None  # (adapter, pool.num_releases after its refusal)
@@ -135,22 +135,22 @@ class Swapper:
     def set_waiting(self, keys: Callable[[], Iterable[MatchKey]] | None) -> None:
         """The waiting queue's tree keys (at most WANTED_KV_SCAN of them), given anew before each admission pass:
         the KV their prefixes match is evicted after every other candidate. `keys` is called, and its prefixes
-        matched, only when an eviction first needs them, at most once per call of `set_waiting`."""
+        matched, only when an eviction or `wanted_kv_slots` first needs them, at most once per call of
+        `set_waiting`."""
         self._waiting_keys, self._wanted_kv = keys, None
 
-    def _wanted_kv_ids(self) -> set[int]:
+    def _wanted_kv_nodes(self) -> dict[int, Node]:
         if self._wanted_kv is None:
             keys = self._waiting_keys
-            self._wanted_kv = set() if keys is None else self.tree.prefix_node_ids(keys())
+            self._wanted_kv = {} if keys is None else self.tree.prefix_nodes(keys())
         return self._wanted_kv
 
     def wanted_kv_slots(self) -> int:
         """Slots of the unlocked KV that the waiting keys' prefixes match (what `make_room` evicts last): the cached
-        room an admission of other requests would take from them. Matched afresh (one tree walk per key)."""
-        keys = self._waiting_keys
-        if keys is None:
-            return 0
-        return sum(len(node.key) for node in self.tree.prefix_nodes(keys()).values() if node.lock_ref == 0)
+        room an admission of other requests would take from them. Shares the match with the eviction order (one
+        tree walk per key per `set_waiting`); locks and evictions since are read off the nodes."""
+        return sum(len(node.key) for node in self._wanted_kv_nodes().values()
+                   if node.lock_ref == 0 and not node.is_evicted)
 
     # ---- busy: evict -----------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class Swapper:
         target = num_slots + self.headroom_slots
         now, score = self.tree.clock(), self.policy.score
         wanted = self.wanted() if self.wanted is not None else ()
-        wanted_kv = self._wanted_kv_ids()
+        wanted_kv = self._wanted_kv_nodes()  # id -> node: `in` asks by id
         order = self._order(protect, now, wanted, wanted_kv)
         while pool.num_free < target or (run and pool.largest_free_run() < run):
             item = order.pop()

@@ -17,7 +17,7 @@ conversation starts over after `--max-turns`. One step serves one request as a s
   the like-for-like cost of the data structures. `ours:<policy>:waiting=N` keeps the last N requests of the
   stream queued (each step admits the oldest, so it serves the same stream N steps later) and gives the swapper
   what a server's queue gives it: their adapters and the KV their prefixes match are evicted last, the prefixes
-  matched at the first eviction of a step (`LoraRadixTree.prefix_node_ids`); the timed step includes that work.
+  matched at the first eviction of a step (`LoraRadixTree.prefix_nodes`); the timed step includes that work.
 Both start empty and run the stream until the pool is full (eviction has begun) and then `--warmup` steps more, to
 a steady state (with the default 900k slots, about 10k tree nodes and 100 adapters); then `--steps` steps are
 timed one by one (perf_counter, the garbage collector on, as in a server). Arms rotate within each repeat; the
