@@ -13,7 +13,9 @@ the floors' P99 (each request at least its floor, so every order statistic is to
 
 `--compare` takes the records of `unified_memory.py` runs (same workload, seed and arm flags) and sets, per rate,
 half of the best stock arm's mean TTFT and a quarter of its P99 (ELORA's goals for ours) beside the floors: where a
-floor is above its goal, that goal cannot be met on this machine at that rate.
+floor is above its goal, that goal cannot be met on this machine at that rate. Where a record's request log is kept
+beside it, the same comparison runs on the pooled figures (every repeat's requests together, the benchmark's
+headline), against the floors of every repeat's requests.
 
 Usage: .venv/bin/python -m eval.bench.ttft_floor --workload translation --param num_requests=60
            --param length_scale=0.1 --seed 0 --compare eval/results/unified_memory_translation_fixedrate_seed0.jsonl
@@ -40,7 +42,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import CACHE, arm_spec, flush, make_adapters, workload_from_args
+from eval.bench.unified_memory import (CACHE, arm_spec, flush, make_adapters, ordered_arms, request_ttfts,
+                                       workload_from_args)
 from eval.live.driver import ServedAdapter, Target, replay
 from sgl_multilora.server import cpu_server_args, launch
 
@@ -121,6 +124,44 @@ def compare_lines(floor_rows: list[dict], records: list[dict]) -> list[str]:
     return lines
 
 
+def pooled_compare_lines(floor_rows: list[dict], logs: list[tuple[str, dict, int]]) -> list[str]:
+    """The same comparison on the pooled figures (`unified_memory.py`'s headline: every repeat's requests together).
+    `logs`: (record name, its request log's TTFTs by rate and arm as `request_ttfts` reads them, its repeats). The
+    floor of the pooled set is the floors of every repeat's requests: its P99 is the same nearest rank over
+    repeats x the floors, which a single request that is slow even alone (a long prompt) can set when it is one of the
+    pooled set's slowest few in every repeat."""
+    ok = [r["ttft_s"] for r in floor_rows if r["ttft_s"] is not None]
+    floor_mean = statistics.fmean(ok)
+    lines = ["| record | rate (req/s) | best stock arm (pooled) | its mean TTFT s / half (the goal) | floor: mean "
+             "alone s | its P99 TTFT s / a quarter (the goal) | floor: P99 alone s (pooled) | other arms: mean / "
+             "P99 s |", "|---|---|---|---|---|---|---|---|"]
+    for name, ttfts, repeats in logs:
+        floor_p99 = nearest_rank(ok * repeats, 99)
+        for rate in sorted(ttfts):
+            by_arm = ttfts[rate]
+            stock = [a for a in by_arm if a.startswith("stock")]
+            if not stock:
+                continue
+            best = min(stock, key=lambda a: statistics.fmean(by_arm[a]))
+            mean, p99 = statistics.fmean(by_arm[best]), nearest_rank(by_arm[best], 99)
+            others = "; ".join(f"{a} {statistics.fmean(by_arm[a]):.2f} / {nearest_rank(by_arm[a], 99):.2f}"
+                               for a in ordered_arms(by_arm) if not a.startswith("stock"))
+            lines.append(f"| {name} | {rate:.2f} | {best} | {mean:.2f} / {mean / 2:.2f} | {floor_mean:.2f} | "
+                         f"{p99:.2f} / {p99 / 4:.2f} | {floor_p99:.2f} | {others} |")
+    return lines
+
+
+def request_logs(paths: list[Path]) -> list[tuple[str, dict, int]]:
+    """(file name, its request log's TTFTs, its repeats) of each unified_memory record whose request log
+    (`<name>_requests.jsonl` beside it) is kept."""
+    out = []
+    for path, (name, record) in zip(paths, last_records(paths)):
+        log = path.with_name(path.stem + "_requests.jsonl")
+        if log.is_file():
+            out.append((name, request_ttfts(log), record["setup"]["repeats"]))
+    return out
+
+
 def last_records(paths: list[Path]) -> list[tuple[str, dict]]:
     """(file name, its last record) of each .jsonl record file."""
     return [(p.name, json.loads(p.read_text().strip().splitlines()[-1])) for p in paths]
@@ -145,6 +186,10 @@ def report(record: dict) -> str:
                   "Where the floor is above half the best stock arm's mean (a quarter of its P99), no arm can meet "
                   "ELORA's mean (P99) goal at that rate on this machine.",
                   ""]
+    if record.get("compare_pooled"):
+        lines += ["Against the same runs' pooled figures (every repeat's requests together, the benchmark's "
+                  "headline; the floor's P99 over the floors of every repeat's requests):", "",
+                  *record["compare_pooled"], ""]
     return "\n".join(lines)
 
 
@@ -171,6 +216,8 @@ def main() -> None:
         [(_, earlier)] = last_records([args.floors_from])
         compared = last_records(args.compare)
         earlier["compare"] = compare_lines(earlier["floors"], compared) if compared else None
+        logs = request_logs(args.compare)
+        earlier["compare_pooled"] = pooled_compare_lines(earlier["floors"], logs) if logs else None
         save(args.out, earlier, report)
         return
 
@@ -204,6 +251,8 @@ def main() -> None:
                         "pool_tokens": args.pool_tokens, "max_loras_per_batch": args.max_loras_per_batch},
               "device": device, "date": datetime.datetime.now(datetime.UTC).isoformat(), "floors": rows,
               "compare": compare_lines(rows, compared) if compared else None}
+    logs = request_logs(args.compare)
+    record["compare_pooled"] = pooled_compare_lines(rows, logs) if logs else None
     save(args.out, record, report)
 
 

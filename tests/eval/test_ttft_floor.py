@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from eval.bench.ttft_floor import alone, chains, compare_lines, report
+from eval.bench.ttft_floor import alone, chains, compare_lines, pooled_compare_lines, report, request_logs
 from eval.workloads import create_workload
 
 
@@ -58,3 +58,33 @@ def test_the_comparison_takes_the_best_stock_arm_per_rate_halves_its_mean_and_qu
                              "max_total_tokens": 100},
                    "device": {}, "date": "2026-11-27T00:00:00", "floors": floor_rows, "compare": lines})
     assert "mean TTFT 0.500 s" in text and "failed 1" in text and "| r.jsonl | 2.00 |" in text
+
+
+def test_the_pooled_comparison_sets_every_repeats_requests_against_the_floors_repeated():
+    # 62 floors, one slow even alone (a long prompt): one run's P99 (nearest rank 60 of 0..61) is a fast request's
+    # floor, but over 3 repeats the slow one's three copies are the pooled set's slowest and rank 183 of 0..185 is one
+    floor_rows = [{"ttft_s": 0.5}] * 61 + [{"ttft_s": 2.0}, {"ttft_s": None}]
+    ttfts = {1.5: {"stock": [1.0] * 180 + [4.0, 5.0, 6.0, 7.0, 8.0, 9.0], "stock-cap6": [2.0] * 186,
+                   "ours-mq": [0.4] * 183 + [2.1, 2.2, 2.5]},
+             3.0: {"ours-mq": [1.0]}}  # no stock arm at this rate: no line
+    lines = pooled_compare_lines(floor_rows, [("r.jsonl", ttfts, 3)])
+    assert lines[2:] == ["| r.jsonl | 1.50 | stock | 1.18 / 0.59 | 0.52 | 7.00 / 1.75 | 2.00 | ours-mq 0.43 / 2.10 |"]
+    assert compare_lines(floor_rows, [("r.jsonl", {"runs": [_run("stock", 1.5, 1.0)]})])[2].endswith(
+        "| 0.50 |  |")  # the run-level floor P99 is a fast request's
+    text = report({"setup": {"workload": "chatbot", "params": {}, "seed": 1, "arm": "ours", "arm_flags": [],
+                             "max_total_tokens": 100},
+                   "device": {}, "date": "2026-11-30T00:00:00", "floors": floor_rows, "compare": None,
+                   "compare_pooled": lines})
+    assert "pooled figures" in text and lines[2] in text
+
+
+def test_request_logs_reads_the_log_beside_each_record_and_skips_a_record_without_one(tmp_path):
+    import json
+
+    with_log, without = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path in (with_log, without):
+        path.write_text(json.dumps({"setup": {"repeats": 2}, "runs": []}) + "\n")
+    rows = [{"arm": "stock", "ttft_s": 1.25, "error": None, "extra": {"request_rate": 0.984}},
+            {"arm": "stock", "ttft_s": None, "error": "HTTP 500", "extra": {"request_rate": 0.984}}]
+    (tmp_path / "a_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert request_logs([with_log, without]) == [("a.jsonl", {0.98: {"stock": [1.25]}}, 2)]
