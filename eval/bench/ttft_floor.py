@@ -42,8 +42,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import (CACHE, arm_spec, flush, make_adapters, ordered_arms, request_ttfts,
-                                       workload_from_args)
+from eval.bench.unified_memory import (CACHE, arm_spec, best_stock_pooled, flush, make_adapters, ordered_arms,
+                                       request_ttfts, workload_from_args)
 from eval.live.driver import ServedAdapter, Target, replay
 from sgl_multilora.server import cpu_server_args, launch
 
@@ -139,10 +139,9 @@ def pooled_compare_lines(floor_rows: list[dict], logs: list[tuple[str, dict, int
         floor_p99 = nearest_rank(ok * repeats, 99)
         for rate in sorted(ttfts):
             by_arm = ttfts[rate]
-            stock = [a for a in by_arm if a.startswith("stock")]
-            if not stock:
+            best = best_stock_pooled(by_arm)
+            if best is None:
                 continue
-            best = min(stock, key=lambda a: statistics.fmean(by_arm[a]))
             mean, p99 = statistics.fmean(by_arm[best]), nearest_rank(by_arm[best], 99)
             others = "; ".join(f"{a} {statistics.fmean(by_arm[a]):.2f} / {nearest_rank(by_arm[a], 99):.2f}"
                                for a in ordered_arms(by_arm) if not a.startswith("stock"))

@@ -475,6 +475,12 @@ def request_ttfts(raw: Path) -> dict[float, dict[str, list[float]]]:
     return ttfts
 
 
+def best_stock_pooled(by_arm: dict[str, list[float]]) -> str | None:
+    """The stock arm (any cap or drainer) with the lower mean over every repeat's requests, None when there is none."""
+    stock = [a for a in by_arm if a.startswith("stock")]
+    return min(stock, key=lambda a: statistics.fmean(by_arm[a])) if stock else None
+
+
 def pooled_lines(ttfts: dict[float, dict[str, list[float]]]) -> list[str]:
     """Per rate, every arm's mean and P99 TTFT over every repeat's requests together, and each of ours against the
     stock arm with the lower pooled mean. A run's P99 is one of its slowest few requests and moves with them from
@@ -482,8 +488,7 @@ def pooled_lines(ttfts: dict[float, dict[str, list[float]]]) -> list[str]:
     lines = []
     for rate in sorted(ttfts):
         by_arm = ttfts[rate]
-        stock = [a for a in by_arm if a.startswith("stock")]
-        best = min(stock, key=lambda a: statistics.fmean(by_arm[a])) if stock else None
+        best = best_stock_pooled(by_arm)
         parts = []
         for arm in ordered_arms(by_arm):
             v = by_arm[arm]
