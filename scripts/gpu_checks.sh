@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, in one run: the GPU tests (kernels compiled, CUDA-graph replay, the host tier's
 # side-stream copies), then the GPU benchmarks (segmented LoRA kernels vs SGLang's, host-tier copies vs recompute,
 # weights read in place from the unified pool vs stacked slot buffers, a step's LoRA work per module group: the
-# simulator's LoRA term is fitted to it by `python -m eval.sim.lora_cost`), the one-tile path against the rank loop.
+# simulator's LoRA term is fitted to it by `python -m eval.sim.lora_cost_report`), the one-tile path against the rank loop.
 # Works on a machine with PyTorch, Triton and transformers but no SGLang: SGLang's LoRA kernels are staged from
 # the installed wheel first (`python -m eval.bench.sglang_kernels .gpu_stage` where SGLang is installed) and
 # carried in .gpu_stage/.

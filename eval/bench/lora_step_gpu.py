@@ -12,7 +12,7 @@ graph and replayed; the figure is the median replay over the copies. Every shape
 the torch reference before timing. Shapes run in a seeded random order so a run cut short by --max-seconds still
 covers the grid evenly.
 
-Usage (GPU): python3 -m eval.bench.lora_step_gpu [--max-seconds 240] [--out eval/results/lora_step_gpu.jsonl]
+Usage (GPU): python3 -m eval.bench.lora_step_gpu [--max-seconds 240] [--out eval/results/lora_step_gpu/lora_step_gpu.jsonl]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "lora_step_gpu.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "results" / "lora_step_gpu" / "lora_step_gpu.jsonl"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
 ADAPTERS = [1, 4, 16, 64]
 RANK_SETS = {"r8": (8,), "r16": (16,), "r32": (32,), "r64": (64,), "r128": (128,), "mixed": (8, 16, 32, 64, 128)}
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     chunks = tuple(int(c) for c in args.rank_chunks.split(",") if c)
     if not torch.cuda.is_available():
         raise SystemExit("lora_step_gpu measures GPU kernels and needs a CUDA device; the fit of its committed "
-                         "results runs anywhere: python -m eval.sim.lora_cost")
+                         "results runs anywhere: python -m eval.sim.lora_cost_report")
     records = []
     if not args.no_grid:
         for r in gpu_records(args.max_seconds, chunks=chunks):

@@ -1,8 +1,9 @@
 """The event loop: continuous batching with chunked prefill over a simulated system, one step at a time.
 
-Lives here: `SimConfig`, `SimRun` (results + memory samples + summary) and `simulate`. Not here: the systems'
-memory and cache decisions (`systems/`), the order waiting requests are examined in (`admission/`) or step costs
-(`latency.py`).
+Lives here: `SimRun` (results + memory samples + summary), `simulate` and the loop, which is the `EngineView`
+(admission/base.py) the admission policies see. Not here: the run's settings (`config.py`; `SimConfig` is
+re-exported here), the systems' memory and cache decisions (`systems/`), the order waiting requests are examined in
+(`admission/`) or step costs (`latency.py`).
 
 Each step: copies that finished complete; requests that arrived join the waiting queue (a follow-up turn waits
 for its parent's reply, as a real client must); waiting requests are admitted in the admission policy's order
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.sim.admission import BaseAdmission, create_admission
+from eval.sim.config import SimConfig
 from eval.sim.latency import LatencyModel
 from eval.sim.memory import pool_bytes
 from eval.sim.systems import create_system
@@ -30,29 +32,6 @@ from eval.sim.systems.base import BaseSystem
 from eval.sim.systems.request import ALORA_INVOCATION_TOKENS, Admit, SimRequest
 from eval.sim.tokens import build_tokens
 from eval.workloads.records import AdapterInfo, Request, RequestResult
-from sgl_multilora.sched import SchedConfig
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """`chunk_tokens`: SGLang's chunked-prefill size (8192 on an 80 GB GPU). `max_running`: cap on running
-    requests. `scan_limit`: waiting requests examined per step. `sample_period_s`: memory-sample period.
-    `check_every_step`: run every invariant checker after each step (tests). `host_kv_bytes`: size of the host
-    KV tier (systems/ours.py; an arm's `:no-host-kv` / `:host-kv=` suffix overrides it)."""
-
-    chunk_tokens: int = 8192
-    max_running: int = 256
-    scan_limit: int = 512
-    sample_period_s: float = 1.0
-    check_every_step: bool = False
-    pool_bytes: int | None = None  # default: memory.pool_bytes(latency model)
-    host_kv_bytes: int | None = None  # host KV tier of the systems with one; None: hostkv.HOST_KV_BYTES, 0: off
-    admission: str = "fcfs"  # admission policy: fcfs, lpm or multiqueue (eval/sim/admission/)
-    max_loras_per_batch: int | None = None  # SGLang's cap on distinct adapters per batch (base one); None: none
-    ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
-    slot_squash_share: float = SchedConfig.slot_squash_share  # multiqueue with a cap: --multilora-slot-squash-share
-    max_slot_squashes: int = SchedConfig.max_slot_squashes  # multiqueue with a cap: --multilora-max-slot-squashes
-    slot_drain_share: float = SchedConfig.slot_drain_share  # multiqueue with a cap: --multilora-slot-drain-share
 
 
 @dataclass

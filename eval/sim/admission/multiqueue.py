@@ -16,7 +16,7 @@ Choices of the simulator, each a departure from the live hook:
   output at admission (engine.py), so a bypassing request never holds memory a blocked one could use later;
 - with SGLang's per-batch adapter cap (`SimConfig.max_loras_per_batch`; none by default) the plan counts slots and
   the slot squash (sgl_multilora/sched/slots.py) runs before each pass as live: the victims are decoding requests
-  (`_Loop.retract`: their KV so far cached, resumed by prefilling it), never an adapter with a request still
+  (`EngineView.retract`: their KV so far cached, resumed by prefilling it), never an adapter with a request still
   prefilling (live: the chunked request's adapter);
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
   SGLang's FCFS walk; the plan is the scheduler's decision, order included (Algorithm 1 builds the batch queue by
