@@ -16,7 +16,7 @@ report gives each arm's RSS minus `none`'s next to the adapters' weight
 bytes (fp32, what one host copy takes): the issue's rule is "memory outside the pool grows by at most one host copy
 per adapter loaded".
 
-Usage: .venv/bin/python -m eval.bench.adapter_rss [--pool-tokens 6000] [--out eval/results/adapter_rss.jsonl]
+Usage: .venv/bin/python -m eval.bench.adapter_rss [--pool-tokens 6000] [--out eval/results/adapter_rss/adapter_rss.jsonl]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pool-tokens", type=int, default=6000)
     parser.add_argument("--num-adapters", type=int, default=24)
     parser.add_argument("--ranks", default="16,32,64")
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/adapter_rss.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/adapter_rss/adapter_rss.jsonl")
     args = parser.parse_args(argv)
 
     from sgl_multilora.embedded import ensure_embedded_model

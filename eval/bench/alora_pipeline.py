@@ -13,7 +13,7 @@ and end-to-end latency are recorded per turn type; the report (`<out>.md`) gives
 and the per-repeat stock / ours ratios.
 
 Usage: .venv/bin/python -m eval.bench.alora_pipeline [--contexts 256 1024 2048] [--repeats 3]
-           [--out eval/results/alora_pipeline.jsonl]
+           [--out eval/results/alora_pipeline/alora_pipeline.jsonl]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
     parser.add_argument("--max-total-tokens", type=int, default=32768)
-    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "alora_pipeline.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "alora_pipeline" / "alora_pipeline.jsonl")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer

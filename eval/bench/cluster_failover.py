@@ -9,7 +9,7 @@ replay begins with every worker up. Per replay: requests failed, TTFT mean and P
 succeeded, and for the gateway the requests it moved off the dead worker. Medians (min-max) over repeats.
 
 Usage: .venv/bin/python -m eval.bench.cluster_failover [--workers 3] [--repeats 3] [--kill-at 30]
-           [--out eval/results/cluster_failover.jsonl]
+           [--out eval/results/cluster_failover/cluster_failover.jsonl]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-total-tokens", type=int, default=3000, help="each worker's pool (token slots)")
     parser.add_argument("--max-loras-per-batch", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/cluster_failover.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/cluster_failover/cluster_failover.jsonl")
     args = parser.parse_args(argv)
 
     from sgl_multilora.embedded import ensure_embedded_model

@@ -14,7 +14,7 @@ and for `mell` the most workers its packing used at once (the rest an elastic de
 gives the median (min-max) over repeats and per-repeat ratios to `lora_aware`.
 
 Usage: .venv/bin/python -m eval.bench.cluster_live [--workers 3] [--workloads chatbot,agent] [--repeats 3]
-           [--out eval/results/cluster_live.jsonl]
+           [--out eval/results/cluster_live/cluster_live.jsonl]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-total-tokens", type=int, default=3000, help="each worker's pool (token slots)")
     parser.add_argument("--max-loras-per-batch", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/cluster_live.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/cluster_live/cluster_live.jsonl")
     args = parser.parse_args(argv)
 
     from sgl_multilora.embedded import ensure_embedded_model

@@ -11,7 +11,7 @@
     `--streams` greedy streams of `--tokens` tokens with prompts of mixed lengths sent at once; their median time
     per output token, the wall time, and whether the greedy tokens are equal between the servers.
 
-    .venv/bin/python -m eval.bench.cpu_decode [--rounds 10] [--server] [--out eval/results/cpu_decode.jsonl]
+    .venv/bin/python -m eval.bench.cpu_decode [--rounds 10] [--server] [--out eval/results/cpu_decode/cpu_decode.jsonl]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from eval.bench.results import median_range, run_record, save
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "eval" / "results" / "cpu_decode.jsonl"
+RESULTS = REPO / "eval" / "results" / "cpu_decode" / "cpu_decode.jsonl"
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 30  # SmolLM2-135M
 MODES = ("stock", "ours")
 

@@ -10,7 +10,7 @@ Not here: the patch itself (patches/cpu_extend_attention.py).
     tokens in both modes. Then time to first token (max_new_tokens=1) of a cold 2048-token prompt
     and of that prompt plus 3 tokens (2048 cached).
 
-Results go to eval/results/cpu_extend.jsonl as JSON lines (setup, device, date, measurements); a
+Results go to eval/results/cpu_extend/cpu_extend.jsonl as JSON lines (setup, device, date, measurements); a
 Markdown table is printed. `--quick` runs fewer repeats, lengths and trials.
 
     .venv/bin/python -m eval.bench.cpu_extend [--quick] [--server] [--threads N]
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "cpu_extend.jsonl"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "cpu_extend" / "cpu_extend.jsonl"
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 9, 3, 64, 30  # SmolLM2-135M
 MODES = ("stock", "ours")
 

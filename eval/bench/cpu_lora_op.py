@@ -17,8 +17,8 @@ allows (cycled), each a distinct prompt of about 64 tokens and `--new-tokens` gr
 report gives each arm's burst time and mean TTFT, median (min-max), and the ratio per round; the tokens of the
 two arms must be equal.
 
-    .venv/bin/python -m eval.bench.cpu_lora_op [--rounds 7] [--threads 2] [--out eval/results/cpu_lora_op.jsonl]
-    .venv/bin/python -m eval.bench.cpu_lora_op --server [--rounds 5] [--out eval/results/cpu_lora_op_server.jsonl]
+    .venv/bin/python -m eval.bench.cpu_lora_op [--rounds 7] [--threads 2] [--out eval/results/cpu_lora_op/cpu_lora_op.jsonl]
+    .venv/bin/python -m eval.bench.cpu_lora_op --server [--rounds 5] [--out eval/results/cpu_lora_op/cpu_lora_op_server.jsonl]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ MODULES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, KV), "v_proj": (HIDDEN
 SHAPES = [("decode", 8, 1, 4), ("decode", 16, 1, 8), ("decode", 32, 1, 8), ("prefill", 4, 64, 4),
           ("prefill", 2, 256, 1)]
 IMPLS = ("torch", "cpu")
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "cpu_lora_op.jsonl"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "cpu_lora_op" / "cpu_lora_op.jsonl"
 
 
 class Step:

@@ -15,7 +15,7 @@ prompt, 4 greedy tokens, adapters cycled); `loaded`, the same probes 0.5 s apart
 median (min-max) over rounds of the probes' median TTFT and the background's median TPOT, the ratio off / on per
 round, and whether the probes' greedy tokens were equal between the arms.
 
-    .venv/bin/python -m eval.bench.cpu_overlap [--rounds 5] [--out eval/results/cpu_overlap.jsonl]
+    .venv/bin/python -m eval.bench.cpu_overlap [--rounds 5] [--out eval/results/cpu_overlap/cpu_overlap.jsonl]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from eval.bench.cpu_lora_op import stream_greedy
 from eval.bench.results import median_range, run_record, save
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "eval" / "results" / "cpu_overlap.jsonl"
+RESULTS = REPO / "eval" / "results" / "cpu_overlap" / "cpu_overlap.jsonl"
 ARMS = {"overlap": ["--multilora-cpu-overlap"], "no-overlap": []}
 
 

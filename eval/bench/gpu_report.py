@@ -1,5 +1,6 @@
-"""Reports of the GPU benchmarks from their committed JSON lines: eval/results/lora_kernels.md (+ .png),
-eval/results/host_copy_gpu.md and eval/results/pool_views_gpu.md. Runs anywhere (no GPU needed).
+"""Reports of the GPU benchmarks from their committed JSON lines: eval/results/lora_kernels/lora_kernels.md (+ .png),
+eval/results/host_copy_gpu/host_copy_gpu.md and eval/results/pool_views_gpu/pool_views_gpu.md. Runs anywhere (no
+GPU needed).
 
 Usage: .venv/bin/python -m eval.bench.gpu_report
 """
@@ -12,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+KERNELS, HOST_COPY, POOL_VIEWS = RESULTS / "lora_kernels", RESULTS / "host_copy_gpu", RESULTS / "pool_views_gpu"
 CORE_TOKENS = (1, 32, 256, 2048)
 
 
@@ -137,7 +139,7 @@ def kernel_report(records: list[dict]) -> str:
               "Up to 256 tokens the steps are decode (one token per request, so SGLang's triton backend runs one "
               "segment per token); from 512 they are prefill (one request per 512 tokens): hence SGLang's drop at "
               "512.", ""]
-    _plot(rows, RESULTS / "lora_kernels.png")
+    _plot(rows, KERNELS / "lora_kernels.png")
     return "\n".join(lines)
 
 
@@ -246,17 +248,19 @@ def pool_views_report(records: list[dict]) -> str:
 
 
 def main() -> None:
-    (RESULTS / "lora_kernels.md").write_text(kernel_report(_records(RESULTS / "lora_kernels.jsonl")))
-    (RESULTS / "host_copy_gpu.md").write_text(host_copy_report(_records(RESULTS / "host_copy_gpu.jsonl")))
-    (RESULTS / "pool_views_gpu.md").write_text(pool_views_report(_records(RESULTS / "pool_views_gpu.jsonl")))
-    kernels = [r for r in _records(RESULTS / "lora_kernels.jsonl")
+    (KERNELS / "lora_kernels.md").write_text(kernel_report(_records(KERNELS / "lora_kernels.jsonl")))
+    (HOST_COPY / "host_copy_gpu.md").write_text(host_copy_report(_records(HOST_COPY / "host_copy_gpu.jsonl")))
+    (POOL_VIEWS / "pool_views_gpu.md").write_text(
+        pool_views_report(_records(POOL_VIEWS / "pool_views_gpu.jsonl")))
+    kernels = [r for r in _records(KERNELS / "lora_kernels.jsonl")
                if r.get("gpu_figures") and any("setup" in x for x in r["results"])]
-    h100 = _records(RESULTS / "lora_kernels_h100.jsonl")
-    (RESULTS / "lora_kernels_h100.md").write_text(
+    h100 = _records(KERNELS / "lora_kernels_h100.jsonl")
+    (KERNELS / "lora_kernels_h100.md").write_text(
         kernel_other_gpu_report(h100[-1], kernels[-1], h100[-2] if len(h100) > 1 else None))
-    (RESULTS / "host_copy_gpu_h100.md").write_text(host_copy_report(_records(RESULTS / "host_copy_gpu_h100.jsonl")))
-    print(f"wrote {RESULTS / 'lora_kernels.md'}, {RESULTS / 'lora_kernels.png'}, {RESULTS / 'host_copy_gpu.md'}, "
-          f"{RESULTS / 'pool_views_gpu.md'}")
+    (HOST_COPY / "host_copy_gpu_h100.md").write_text(
+        host_copy_report(_records(HOST_COPY / "host_copy_gpu_h100.jsonl")))
+    print(f"wrote {KERNELS / 'lora_kernels.md'}, {KERNELS / 'lora_kernels.png'}, {HOST_COPY / 'host_copy_gpu.md'}, "
+          f"{POOL_VIEWS / 'pool_views_gpu.md'}")
 
 
 if __name__ == "__main__":

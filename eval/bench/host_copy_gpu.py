@@ -9,9 +9,9 @@ runs of 16) into device slots, timed on the current stream until the KV is scatt
 Overlap: a spill (device -> host, side stream) or load-back issued while the current stream runs a fixed amount of
 compute; time of both vs each alone. All times are medians of CUDA-event timings after a warm-up.
 
-Not here: SGLang's HiCache, which cannot run here (no SGLang on the lent GPU machine; see eval/results/host_tier.md).
+Not here: SGLang's HiCache, which cannot run here (no SGLang on the lent GPU machine; see eval/results/host_tier/host_tier_probe.md).
 
-Usage: python -m eval.bench.host_copy_gpu [--out eval/results/host_copy_gpu.jsonl] [--tokens 512,2048,8192]
+Usage: python -m eval.bench.host_copy_gpu [--out eval/results/host_copy_gpu/host_copy_gpu.jsonl] [--tokens 512,2048,8192]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from sgl_multilora.patches.host_kv import HostKVStore
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "host_copy_gpu.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "results" / "host_copy_gpu" / "host_copy_gpu.jsonl"
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 

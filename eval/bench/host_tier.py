@@ -17,7 +17,7 @@ host tier's counters (tokens spilled, copied back, dropped) next to the prefill 
 headline is the ratio of returning-turn TTFT no-host / host (median and spread over repeats).
 
 Usage: .venv/bin/python -m eval.bench.host_tier [--repeats 3] [--pool-tokens 4000] [--host-kv-gb 2]
-           [--param first_turn_tokens=2000] [--out eval/results/host_tier.jsonl] [--hicache-check-only]
+           [--param first_turn_tokens=2000] [--out eval/results/host_tier/host_tier.jsonl] [--hicache-check-only]
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--skip-hicache-check", action="store_true")
     parser.add_argument("--hicache-check-only", action="store_true",
                         help="run only the stock HiCache check and put it in the last record of --out (and its .md)")
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/host_tier.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/host_tier/host_tier.jsonl")
     args = parser.parse_args()
 
     from sgl_multilora.embedded import ensure_embedded_model

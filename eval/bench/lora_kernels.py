@@ -13,7 +13,7 @@ backend's agreement with the torch reference is checked per dtype in a process o
 poisons the CUDA context); a backend that does not agree in bf16 is recorded as not timed, with the reason.
 On a CPU: the torch references at a few shapes (fp32), and the record says plainly that no GPU figures exist.
 
-Usage: .venv/bin/python -m eval.bench.lora_kernels [--quick] [--out eval/results/lora_kernels.jsonl]
+Usage: .venv/bin/python -m eval.bench.lora_kernels [--quick] [--out eval/results/lora_kernels/lora_kernels.jsonl]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward
 from sgl_multilora.triton_kernels.weights import LoRAWeights
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "lora_kernels.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "results" / "lora_kernels" / "lora_kernels.jsonl"
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES = {  # name: (in_features, slice widths)
     "qkv": (HIDDEN, [HIDDEN, KV, KV]),

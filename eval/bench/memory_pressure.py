@@ -23,7 +23,7 @@ served from cache, failures (any error answer counts; nothing is retried), and w
 The report gives medians (min-max) over repeats and the per-repeat stock / ours ratios.
 
 Usage: .venv/bin/python -m eval.bench.memory_pressure [--documents 12] [--document-tokens 384]
-           [--max-total-tokens 2048] [--repeats 3] [--out eval/results/memory_pressure.jsonl]
+           [--max-total-tokens 2048] [--repeats 3] [--out eval/results/memory_pressure/memory_pressure.jsonl]
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def main(argv=None):
     parser.add_argument("--chunked-prefill-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--adapters-dir", type=Path, default=REPO / "assets" / "adapters")
-    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "memory_pressure.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "memory_pressure" / "memory_pressure.jsonl")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer

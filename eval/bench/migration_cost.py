@@ -15,7 +15,7 @@ the stay arm's TTFT at that length, the KV stall over the recompute stall per re
 the relayed one.
 
 Usage: .venv/bin/python -m eval.bench.migration_cost [--lengths 256,1024,2048] [--repeats 3]
-           [--out eval/results/migration_cost.jsonl]
+           [--out eval/results/migration_cost/migration_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     parser.add_argument("--move-after", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-total-tokens", type=int, default=8192, help="each worker's pool (token slots)")
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/migration_cost.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/migration_cost/migration_cost.jsonl")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer

@@ -25,7 +25,7 @@ The report gives the max rates twice: under the fixed `--slo-s`, and under Chame
 of the baseline at light load, here its lowest swept rate; `light_load_slo`), which scales with the machine.
 
 Usage: .venv/bin/python -m eval.bench.multiqueue_live [--time-scales 1,2] [--repeats 3]
-           [--arms fcfs,fcfs-drain,lpm,multiqueue] [--out eval/results/multiqueue_live.jsonl]
+           [--arms fcfs,fcfs-drain,lpm,multiqueue] [--out eval/results/multiqueue_live/multiqueue_live.jsonl]
        .venv/bin/python -m eval.bench.multiqueue_live --merge A.jsonl B.jsonl --out AB.jsonl  (one sweep, two runs)
        .venv/bin/python -m eval.bench.multiqueue_live --report A.jsonl  (rewrite A.md from A's last record)
 """
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--time-scales", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/multiqueue_live/multiqueue_live.jsonl")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSONL",
                         help="run nothing: merge the last records of these files (one sweep split into runs) into "
                              "--out, with its report")

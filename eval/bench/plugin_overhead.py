@@ -68,7 +68,7 @@ from eval.bench.plugin_overhead_report import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "eval" / "results" / "plugin_overhead.jsonl"
+RESULTS = REPO / "eval" / "results" / "plugin_overhead" / "plugin_overhead.jsonl"
 QUICK_RESULTS = Path("/tmp/plugin_overhead_quick/plugin_overhead.jsonl")
 NO_PLUGIN_NAME = (
     "no-such-plugin"  # SGLANG_PLUGINS allow-list entry that matches no installed plugin

@@ -24,7 +24,7 @@ timed one by one (perf_counter, the garbage collector on, as in a server). Arms 
 report gives, per pool size, each arm's median (min-max) over repeats and the per-repeat ratios to stock.
 
 Usage: .venv/bin/python -m eval.bench.pool_cost [--pool-slots 100000,300000,900000] [--steps 4000] [--repeats 3]
-           [--out eval/results/pool_cost.jsonl]
+           [--out eval/results/pool_cost/pool_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
                          "(default headroom 0.01, no queue)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("eval/results/pool_cost.jsonl"))
+    ap.add_argument("--out", type=Path, default=Path("eval/results/pool_cost/pool_cost.jsonl"))
     args = ap.parse_args(argv)
 
     arms = args.arms.split(",")

@@ -10,7 +10,7 @@ from CUDA graphs, arms interleaved, median of `--repeats` medians; outputs compa
 split-K's atomic adds). bf16, Llama-3-8B shapes.
 Not here: the kernels (sgl_multilora/triton_kernels/) or how the pool picks slots (sgl_multilora/slot_layout.py).
 
-Usage: python -m eval.bench.pool_views_gpu [--repeats 3] [--out eval/results/pool_views_gpu.jsonl]  (GPU only)
+Usage: python -m eval.bench.pool_views_gpu [--repeats 3] [--out eval/results/pool_views_gpu/pool_views_gpu.jsonl]  (GPU only)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels.ops import lora_forward, shrink_buffer
 from sgl_multilora.triton_kernels.weights import LoRAWeights, TableSet
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "pool_views_gpu.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "results" / "pool_views_gpu" / "pool_views_gpu.jsonl"
 ROW = 8 * 128  # one KV row of Llama-3-8B (8 KV heads x 128), the pool's unit of placement
 SHAPES = [  # (tokens, adapters, requests, rank)
     (1, 1, 1, 16), (32, 8, 32, 16), (128, 8, 128, 64), (256, 32, 256, 16), (2048, 4, 8, 16), (8192, 8, 16, 64),

@@ -6,9 +6,9 @@ shape by shape and round by round, so the ratio is free of the drift between mac
 Llama-3-8B projections of `lora_kernels.py` at ranks 8, 16 and 32 (one tile: the arms differ) and 64 (above the
 tile: both arms run the general path, so its ratio is the run's noise). Every arm is checked against the torch
 reference before it is timed. Report: `python -m eval.bench.rank_tile_ab --report` writes
-eval/results/rank_tile_ab.md.
+eval/results/rank_tile_ab/rank_tile_ab.md.
 
-Usage (GPU): python3 -m eval.bench.rank_tile_ab --max-seconds 150 --out eval/results/rank_tile_ab.jsonl
+Usage (GPU): python3 -m eval.bench.rank_tile_ab --max-seconds 150 --out eval/results/rank_tile_ab/rank_tile_ab.jsonl
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sgl_multilora.segments import SegmentMeta
 from sgl_multilora.triton_kernels import tiles
 from sgl_multilora.triton_kernels.ops import lora_forward
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "rank_tile_ab"
 RANKS = (16, 32, 8, 64)
 ARMS = {"one_tile": True, "general": False}
 

@@ -17,7 +17,7 @@ With `--max-loras-per-batch N` the scan counts SGLang's per-batch adapter slots 
 the waiting requests then have none and are passed over).
 
 Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000] [--overdue-s 2.5]
-       [--max-loras-per-batch 8] [--out eval/results/sched_cost.jsonl]
+       [--max-loras-per-batch 8] [--out eval/results/sched_cost/sched_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=0,
                         help="SGLang's cap on distinct adapters per batch (0: none); the running set is built "
                              "outside the timed call")
-    parser.add_argument("--out", type=Path, default=Path("eval/results/sched_cost.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path("eval/results/sched_cost/sched_cost.jsonl"))
     args = parser.parse_args(argv)
 
     measurements = run(args)

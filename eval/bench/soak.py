@@ -8,10 +8,10 @@ streaming and not, plus adapter load/unload churn with requests aimed at the chu
 clients that hang up mid-stream, `/abort_request` calls and bad inputs. After each phase: wait until
 no request runs or waits, unload leftover copies, check the KV accounting closes, record the RSS of
 the server's process tree and its adapter bytes. Phase 1 is the warm-up for the RSS rule.
-Results: eval/results/soak.jsonl (one line per phase, then a summary line) and soak.md.
+Results: eval/results/soak/soak.jsonl (one line per phase, then a summary line) and soak.md.
 
 Usage: .venv/bin/python -m eval.bench.soak [--minutes 20] [--url http://127.0.0.1:PORT]
-       [--server-args "--multilora-scheduler multiqueue"] [--out eval/results/soak_multiqueue]
+       [--server-args "--multilora-scheduler multiqueue"] [--out eval/results/soak/soak_multiqueue]
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--records", type=Path,
                         help="also write every request and admin call as a JSON line here")
-    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "soak",
+    parser.add_argument("--out", type=Path, default=REPO / "eval" / "results" / "soak" / "soak",
                         help="writes OUT.jsonl and OUT.md (replaced)")
     args = parser.parse_args(argv)
     if args.url and urlparse(args.url).hostname not in LOOPBACK:

@@ -18,7 +18,7 @@ timed requests and the tree's nodes at the end. After each repeat (not timed) ev
 is left and our tree's invariants hold.
 
 Usage: .venv/bin/python -m eval.bench.tree_overhead [--kv-tokens 20000,60000,200000] [--requests 4000]
-           [--warmup 2000] [--repeats 3] [--arms stock,ours,ours:unified] [--out eval/results/tree_overhead.jsonl]
+           [--warmup 2000] [--repeats 3] [--arms stock,ours,ours:unified] [--out eval/results/tree_overhead/tree_overhead.jsonl]
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", default="stock,ours,ours:unified")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("eval/results/tree_overhead.jsonl"))
+    ap.add_argument("--out", type=Path, default=Path("eval/results/tree_overhead/tree_overhead.jsonl"))
     return ap.parse_args(argv)
 
 

@@ -18,13 +18,13 @@ beside it, the same comparison runs on the pooled figures (every repeat's reques
 headline), against the floors of every repeat's requests.
 
 Usage: .venv/bin/python -m eval.bench.ttft_floor --workload translation --param num_requests=60
-           --param length_scale=0.1 --seed 0 --compare eval/results/unified_memory_translation_fixedrate_seed0.jsonl
-           --out eval/results/ttft_floor_translation_seed0.jsonl
+           --param length_scale=0.1 --seed 0 --compare eval/results/unified_memory/unified_memory_translation_tail_seed0.jsonl
+           --out eval/results/ttft_floor/ttft_floor_translation_seed0.jsonl
        .venv/bin/python -m eval.bench.ttft_floor --workload chatbot --param num_conversations=20
            --param mean_new_tokens=150 --param mean_output_tokens=16 --param think_time_s=3
            --param conversation_rate=0.5 --arm ours-mq-cap8 --seed 1
-           --compare eval/results/unified_memory_chatbot_moves_seed1.jsonl
-           --out eval/results/ttft_floor_chatbot_seed1.jsonl
+           --compare eval/results/unified_memory/unified_memory_chatbot_host_seed1.jsonl
+           --out eval/results/ttft_floor/ttft_floor_chatbot_seed1.jsonl
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="a unified_memory.py record (.jsonl, its last line) of the same workload and seed")
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/ttft_floor.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/ttft_floor/ttft_floor.jsonl")
     parser.add_argument("--floors-from", type=Path,
                         help="a ttft_floor record (.jsonl, its last line) whose floors to set against the --compare "
                         "records again, without a server (its workload, seed and arm are kept; the others ignored)")

@@ -42,7 +42,7 @@ Next to the record and its report (`--out`, `.md`), the per-request log (`_reque
 distribution per rate and arm, every repeat pooled (`.png`; `--plot-only` redraws it from a committed request log).
 
 Usage: .venv/bin/python -m eval.bench.unified_memory [--workload chatbot] [--time-scales 1,2] [--repeats 3]
-           [--out eval/results/unified_memory.jsonl] [--plot-only] [--pooled-only]
+           [--out eval/results/unified_memory/unified_memory.jsonl] [--plot-only] [--pooled-only]
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--drain-wait-s", type=float, default=2.0,
                         help="the -drain arms' --lora-drain-wait-threshold (seconds)")
     parser.add_argument("--slo-s", type=float, default=2.0, help="the ours-mq arm's --multilora-ttft-slo-s")
-    parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "eval/results/unified_memory/unified_memory.jsonl")
     parser.add_argument("--plot-only", action="store_true",
                         help="only redraw the TTFT plot (.png next to --out) from its request log")
     parser.add_argument("--pooled-only", action="store_true",

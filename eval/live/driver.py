@@ -264,7 +264,7 @@ class ArmReplay:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10)
         # a fresh connection per request: a pooled keep-alive connection that the server closes as idle just as a
         # request reuses it fails that request with "Server disconnected" before the server sees it (one replay
-        # of eval/results/multiqueue_live_rates_maxrate_seed1_draincost.jsonl lost its arm to it: the server logged
+        # of a multi-queue benchmark run (multiqueue_live_rates_maxrate_seed1_draincost) lost its arm to it: the server logged
         # no such request and kept serving); on localhost a connection costs well under a millisecond
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

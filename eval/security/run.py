@@ -6,7 +6,7 @@ prompt, sends every attack and records the HTTP status, the cached tokens it rea
 server still answers.
 
 Usage (a few minutes):
-    .venv/bin/python -m eval.security.run [--out eval/results/ingress_attacks.jsonl]
+    .venv/bin/python -m eval.security.run [--out eval/results/ingress_attacks/ingress_attacks.jsonl]
 Arms: `stock` = `--multilora-ingress stock` (SGLang 0.5.23's request handling and prefix cache; the
 plugin keeps only its CPU LoRA compute, without which LoRA does not run on this CPU path), `ours` =
 `--multilora-ingress strict` with SGLang's prefix cache, `ours+tree` = strict ingress and
@@ -179,7 +179,7 @@ def summarize(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
-    parser.add_argument("--out", type=Path, default=Path("eval/results/ingress_attacks.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path("eval/results/ingress_attacks/ingress_attacks.jsonl"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-tokens", type=int, default=256, help="length of the victims' cached prompts")
     parser.add_argument("--num-random", type=int, default=8, help="random-namespace attacks per arm")

@@ -26,7 +26,7 @@ best reserve (share of C an arrival must leave free): `--reserves` ascending up 
 overflow, refined by 0.01 below it, the fewest instances among the runs without overflow.
 
 Usage: .venv/bin/python -m eval.sim.cluster [--instances 8,16,32,64] [--seeds 0,1,2]
-       [--out eval/results/sim_mell] [--markdown-only]
+       [--out eval/results/sim_mell/sim_mell] [--markdown-only]
 """
 
 from __future__ import annotations
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--epoch-steps", type=int, default=TimeModel.epoch_steps)
     ap.add_argument("--window-steps", type=int, default=TimeModel.window_steps)
     ap.add_argument("--check", action="store_true", help="check every packer's invariants each epoch")
-    ap.add_argument("--out", type=Path, default=Path("eval/results/sim_mell"))
+    ap.add_argument("--out", type=Path, default=Path("eval/results/sim_mell/sim_mell"))
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)
     if set(args.policies) - set(POLICIES) or "mell" not in args.policies:

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-kv-gb", type=float, default=None,
                     help=f"host KV pool of ours and its ablations, GB (default {HOST_KV_BYTES / 1e9:g}; 0: off)")
     ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
-    ap.add_argument("--out", default="eval/results/sim_elora")
+    ap.add_argument("--out", default="eval/results/sim_elora/sim_elora")
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite <out>.md from an earlier run's <out>_runs.jsonl (same sweep arguments)")
     args = ap.parse_args(argv)

@@ -383,7 +383,7 @@ MODEL_LIMITS = """Model limits (properties of the simulator, the same in every r
   against them include the tier's gain; `sglang:hicache` has the same tier and budget as ours.
 - The workload is synthetic (eval/workloads/chatbot.py), not LMSYS-33k. The latency model
   (eval/sim/latency.py) is a roofline whose LoRA term is fitted to our kernels measured on an
-  H100 (eval/results/lora_step_gpu.md; every arm is costed with them); its base-model and copy
+  H100 (eval/results/lora_step_gpu/lora_step_gpu.md; every arm is costed with them); its base-model and copy
   terms have no GPU measurement behind them."""
 
 

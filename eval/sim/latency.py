@@ -9,7 +9,7 @@ batches). Its time is a roofline sum (shared/reference/perf-anchors.md, sections
     attention = 4 * layers * hidden * (query-key pairs of the prefill chunks) / (peak FLOPs * MFU)
               + (context tokens of the decoding requests) * KV bytes per token / HBM
     lora      = layers * (our segmented kernels' microseconds for one layer's module groups, fitted to an H100's
-                measurements of them: eval/sim/lora_cost.py, eval/results/lora_step_gpu.md)
+                measurements of them: eval/sim/lora_cost.py, eval/results/lora_step_gpu/lora_step_gpu.md)
                 [`lora_cost="roofline"`, the estimate before the measurement: launch floor (if any token uses an
                 adapter) + (bytes of the distinct adapters in the batch + adapter tokens * activation bytes) / HBM]
     step      = linear + attention + lora + step overhead
@@ -92,7 +92,7 @@ LoRABatch = Sequence[tuple[int, int, frozenset[str], int]]
 
 LORA_COSTS = ("measured", "roofline")
 LORA_COST_HELP = ("the simulator's LoRA step term: measured (fitted to our kernels on an H100, "
-                  "eval/results/lora_step_gpu.md) or roofline (the estimate before that measurement)")
+                  "eval/results/lora_step_gpu/lora_step_gpu.md) or roofline (the estimate before that measurement)")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class LatencyModel:
     @property
     def device(self) -> str:
         """The simulated device and LoRA term, for results files."""
-        lora = ("LoRA term fitted to our kernels measured on an H100, eval/results/lora_step_gpu.md"
+        lora = ("LoRA term fitted to our kernels measured on an H100, eval/results/lora_step_gpu/lora_step_gpu.md"
                 if self.lora_cost == "measured" else "LoRA term a roofline estimate")
         return f"simulated: Llama-3-8B bf16 on one H100 SXM 80 GB, PCIe 5 (eval/sim/latency.py; {lora})"
 

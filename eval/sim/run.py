@@ -2,7 +2,7 @@
 Not here: the ELORA-style sweep and its report (`compare.py`).
 
 Usage: .venv/bin/python -m eval.sim.run --workload agent --arms vllm,ours:elora [--param num_sessions=40 ...]
-       [--seed 0] [--out eval/results/sim_agent.jsonl]
+       [--seed 0] [--out eval/results/sim_run/sim_agent.jsonl]
 The records carry what eval/live/report.py reads (request_rate, kind, hits, invalid_kv_share, memory_bytes), so
 `python -m eval.live.report <out>` tables and plots them. Arm names: eval/sim/systems/__init__.py.
 """
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", default="vllm,slora,sglang,ours:elora")
     ap.add_argument("--param", action="append", default=[], help="NAME=VALUE, a workload parameter")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="default: eval/results/sim_<workload>.jsonl")
+    ap.add_argument("--out", default=None, help="default: eval/results/sim_run/sim_<workload>.jsonl")
     args = ap.parse_args(argv)
     params = {}
     for item in args.param:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         key, value = item.split("=", 1)
         params[key] = value
     runs = run(args.workload, args.arms.split(","), params, args.seed)
-    out = Path(args.out or f"eval/results/sim_{args.workload}.jsonl")
+    out = Path(args.out or f"eval/results/sim_run/sim_{args.workload}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         for sim in runs:

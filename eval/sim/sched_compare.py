@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
                     help=f"comma-separated, fcfs first (default: {','.join(POLICIES)})")
     ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
-    ap.add_argument("--out", default="eval/results/sim_chameleon")
+    ap.add_argument("--out", default="eval/results/sim_chameleon/sim_chameleon")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite <out>.md from <out>.jsonl")
     args = ap.parse_args(argv)
     unknown = [p for p in args.policies if p not in POLICIES]
