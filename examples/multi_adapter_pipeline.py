@@ -17,7 +17,7 @@ from pathlib import Path
 
 import sglang as sgl
 
-from sgl_multilora.frontend import MultiLoRAEndpoint, adapter, gen, invocation_text
+from sgl_multilora.patches.frontend import MultiLoRAEndpoint, adapter, gen, invocation_text
 
 ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "assets" / "adapters"
 

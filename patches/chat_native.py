@@ -1,6 +1,6 @@
 """`POST /multilora/chat/native`: an OpenAI chat completion as the native `/generate` body this server's own
 `/v1/chat/completions` would run for it, so that the cluster's gateway can carry it, and move it mid-generation,
-like any native request (sgl_multilora/cluster/openai_view.py writes the client's chat objects).
+like any native request (sgl_multilora/gateway/openai_view.py writes the client's chat objects).
 
 Only the server can say what its chat route runs: the prompt is its chat template over the messages (tokenized by
 its tokenizer, with its template's stop strings and its model's default sampling parameters), so the route runs
@@ -55,7 +55,7 @@ def chat_blocker(chat, request) -> "str | None":
 
 def native_body(adapted, request) -> "tuple[dict | None, str | None]":
     """(the native body of a built `GenerateReqInput`, None) or (None, why it cannot be carried)."""
-    from sgl_multilora.cluster.carry import carriable
+    from sgl_multilora.gateway.carry import carriable
 
     if request._response_parser_grammar_start is not None or request._response_parser_tool_grammar:
         return None, "response template"

@@ -218,16 +218,16 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "a no-op only while torchvision's top-level package executes: its C-op registrations fail on a "
                "CPU-only torch and SGLang imports torchvision unconditionally", Process.ALL),
     # ---- frontend DSL (client side) -----------------------------------------------------------------------------
-    TouchPoint(f"{_RE}.RuntimeEndpoint._add_images", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+    TouchPoint(f"{_RE}.RuntimeEndpoint._add_images", Kind.OVERRIDE, "patches.frontend:MultiLoRAEndpoint",
                ("self", "s", "data"),
                "the one place every /generate body built from a program passes: it gets the call's lora_path",
                Process.CLIENT, also=(f"{_RE}.RuntimeEndpoint.generate", f"{_RE}.RuntimeEndpoint.generate_stream",
                                      f"{_RE}.RuntimeEndpoint._generate_http_request")),
-    TouchPoint(f"{_RE}.RuntimeEndpoint.select", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+    TouchPoint(f"{_RE}.RuntimeEndpoint.select", Kind.OVERRIDE, "patches.frontend:MultiLoRAEndpoint",
                ("self", "s", "choices", "temperature", "choices_method"),
                "adapter switches travel as unnamed selects, run in program order by the executor",
                Process.CLIENT, also=("sglang.lang.interpreter.StreamExecutor._execute_select",)),
-    TouchPoint(f"{_RE}.RuntimeEndpoint.cache_prefix", Kind.OVERRIDE, "frontend:MultiLoRAEndpoint",
+    TouchPoint(f"{_RE}.RuntimeEndpoint.cache_prefix", Kind.OVERRIDE, "patches.frontend:MultiLoRAEndpoint",
                ("self", "prefix_str"), "prefill a prefix on a chosen adapter", Process.CLIENT,
                also=(f"{_RE}.http_request",)),
 )
@@ -283,5 +283,5 @@ def check(points: tuple[TouchPoint, ...] = TOUCH_POINTS) -> None:
 
 
 def client_points() -> tuple[TouchPoint, ...]:
-    """The touch points of the client-side frontend DSL (checked when `sgl_multilora.frontend` is imported)."""
+    """The touch points of the client-side frontend DSL (checked when `patches.frontend` is imported)."""
     return tuple(t for t in TOUCH_POINTS if t.process is Process.CLIENT)

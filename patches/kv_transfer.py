@@ -1,6 +1,6 @@
 """Moving cached KV between servers: `POST /multilora/kv/export` and `POST /multilora/kv/import`.
 
-A request that moves to another worker (the cluster's moves, `sgl_multilora/cluster/carry.py`) can take its KV with
+A request that moves to another worker (the cluster's moves, `sgl_multilora/gateway/carry.py`) can take its KV with
 it instead of recomputing it: the source exports the KV its tree holds for the request's tokens, the destination
 imports it into its own tree as cached KV, and the request continued there matches it like any cached prefix.
 

@@ -28,7 +28,7 @@ from eval.bench.results import median_range, run_record, save
 from eval.bench.unified_memory import make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
-from sgl_multilora.cluster.launch import Cluster
+from sgl_multilora.gateway.launch import Cluster
 from sgl_multilora.server import cpu_server_args
 
 REPO = Path(__file__).resolve().parents[2]

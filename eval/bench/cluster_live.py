@@ -1,6 +1,7 @@
 """Many instances, live: CPU workers with the plugin behind SGLang's router smg, our LoRA-aware placement (and with
 MELL's live KV balancing on top, arm `mell`) against smg's own `cache_aware` and `round_robin` policies on the same
-workers. Not here: the cluster (sgl_multilora/cluster/launch.py, gateway.py, placement.py, balance.py).
+workers. Not here: the cluster (sgl_multilora/gateway/launch.py, app.py; sgl_multilora/cluster/placement.py,
+balance.py).
 
 `--workers` workers (the embedded model, `--radix-cache-backend multilora`: the unified pool of
 `--max-total-tokens` slots holds adapters and KV) start once and stay up; each arm restarts only the front (smg
@@ -31,7 +32,7 @@ from eval.bench.results import median_range, run_record, save
 from eval.bench.unified_memory import make_adapters, summarize
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
-from sgl_multilora.cluster.launch import Cluster
+from sgl_multilora.gateway.launch import Cluster
 from sgl_multilora.server import cpu_server_args
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """What moving a running request between workers costs, live: KV transfer and token transfer + recompute through
-the cluster's gateway (sgl_multilora/cluster/carry.py, moves.py) against the same request left where it is.
+the cluster's gateway (sgl_multilora/gateway/carry.py, moves.py) against the same request left where it is.
 Not here: the cluster itself, or MELL's packing (simulated in eval/sim/cluster.py).
 
 Two CPU workers with the plugin behind smg and our gateway. Per prompt length (`--lengths`, tokens) and adapter
@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from eval.bench.results import median_range, run_record, save
 from eval.workloads.text import words
-from sgl_multilora.cluster.launch import Cluster
+from sgl_multilora.gateway.launch import Cluster
 from sgl_multilora.server import cpu_server_args
 
 REPO = Path(__file__).resolve().parents[2]

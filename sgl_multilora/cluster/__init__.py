@@ -1,13 +1,15 @@
-"""Multi-instance KV placement (MELL): online packing of running requests, whose KV grows, onto
-instances of fixed KV capacity, with a bounded number of migrations per operation.
+"""Multi-instance placement and migration planning, pure: MELL's online packing of running requests, whose KV grows,
+onto instances of fixed KV capacity with a bounded number of migrations per operation; the baselines; the
+KV-vs-recompute cost model; LoRA-aware placement of adapters on workers.
 
-Lives here: the engine-agnostic core, plain Python (no torch, no SGLang), driven by a router-side
-caller and by the simulator (eval/sim/cluster.py) alike. Not here: starting or stopping instances
-and moving requests between them (an engine-side executor runs the returned migrations).
+Lives here: the engine-agnostic core, plain Python (no torch, no SGLang, no HTTP), driven by the live gateway and by
+the simulator (eval/sim/cluster.py) alike. Not here: processes, HTTP and executing moves (sgl_multilora/gateway/,
+which imports this package; only `__main__`, the `python -m sgl_multilora.cluster` command, imports it back).
 Module map: records (classes, Move, Migration, Placement, BatchResult, errors), cost
 (MigrationCostModel: KV transfer vs token transfer + recompute), base (BasePacker: the API, batching),
 mell_state (Packing: who sits where), mell_check (the invariants), mell_place (Allocate rules),
-mell_repair (repairs), mell (MellPacker), baselines (best-fit, worst-fit, Llumnix-like), registry.
+mell_repair (repairs), mell (MellPacker), baselines (best-fit, worst-fit, Llumnix-like), registry,
+placement (adapters' replicas and a request's worker), balance (`LiveBalancer`: the packer bound to running workers).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Lives here: the binding of the packer's instances to running workers, and the queue of the packer's operations
 (Allocate when a request arrives, Update as its KV grows, Depart when it ends) applied once per epoch, the paper's
 operation batching. Not here: the packing rules (mell.py, the core packer the simulator runs too), executing a move
-(carry.py; KV transfer or recompute per move is the gateway's measured choice, moves.py).
+(sgl_multilora/gateway/carry.py; KV transfer or recompute per move is the gateway's measured choice, moves.py).
+Plain Python (no HTTP, no SGLang): the gateway drives it and imports it, never the other way.
 
 How the packer's world maps onto a fixed set of workers. The packer opens and closes instances as its packing needs;
 here an instance it opens is bound to a worker no instance holds (the one with the fewest requests in flight), and
@@ -12,9 +13,9 @@ deployment would stop: `workers_in_use` over time is the live counterpart of the
 the packer wants more instances than there are workers, the new instance shares the worker holding the fewest
 packed tokens and `overcommitted` counts it (KV may then overflow there, as it would under any policy). A request
 is packed by its KV tokens (prompt + output so far), against each worker's KV capacity times `fill`; requests the
-gateway does not carry (batches, input logprobs, chats with tools, ...: openai_view.py) are not seen, so `fill` leaves them room. Only
-carried requests move; a move the packer plans for a request that has ended or is already moving is dropped (the
-packing is then ahead of the cluster until the request departs).
+gateway does not carry (batches, input logprobs, chats with tools, ...: gateway/openai_view.py) are not seen, so
+`fill` leaves them room. Only carried requests move; a move the packer plans for a request that has ended or is
+already moving is dropped (the packing is then ahead of the cluster until the request departs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Hashable
 from sgl_multilora.cluster.base import BasePacker
 from sgl_multilora.cluster.records import ItemTooLarge, Migration
 
-logger = logging.getLogger("sgl_multilora.cluster.gateway")
+logger = logging.getLogger("sgl_multilora.gateway.app")
 UPDATE_EVERY_TOKENS = 16
 """A request's Update is queued once its KV grew by this many tokens since the last one (bounds the ops per epoch)."""
 

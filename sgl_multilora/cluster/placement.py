@@ -2,8 +2,8 @@
 a request goes to.
 
 Lives here: `Placement`, plain Python (no HTTP, no SGLang), fed request arrivals and per-worker in-flight counts.
-Not here: the HTTP layer that applies it in front of smg (gateway.py), or MELL's packing of running requests by
-KV memory (mell*.py).
+Not here: the HTTP layer that applies it in front of smg (sgl_multilora/gateway/app.py), or MELL's packing of
+running requests by KV memory (mell*.py).
 
 Replication by popularity. Each adapter's share s of recent requests (counts decayed by half every
 `half_life_requests` arrivals) earns it r = clamp(ceil(s * N * replication), 1, N) workers; the base model is on

@@ -40,7 +40,7 @@ http.headers["Authorization"] = f"Bearer {API_KEY}"
 
 @pytest.fixture(scope="module")
 def cluster(model_path):
-    from sgl_multilora.cluster.launch import Cluster
+    from sgl_multilora.gateway.launch import Cluster
     from sgl_multilora.server import cpu_server_args
 
     worker_args = ["--model-path", model_path, *cpu_server_args(max_total_tokens=4096), *LORA_SERVER_ARGS,

@@ -70,7 +70,7 @@ def server(tree_server, adapter_dirs):
 
 @pytest.fixture(scope="module")
 def endpoint(server):
-    from sgl_multilora.frontend import MultiLoRAEndpoint
+    from sgl_multilora.patches.frontend import MultiLoRAEndpoint
 
     return MultiLoRAEndpoint(server.url)
 
@@ -96,7 +96,7 @@ def recorded_bodies():
 def _pipeline():
     import sglang as sgl
 
-    from sgl_multilora.frontend import adapter, gen
+    from sgl_multilora.patches.frontend import adapter, gen
 
     @sgl.function
     def pipeline(s):
@@ -203,7 +203,7 @@ def test_streaming_run_gives_the_same_calls(endpoint, program_run):
 def test_select_fork_and_cache_prefix_carry_the_adapter(endpoint, program_run):
     import sglang as sgl
 
-    from sgl_multilora.frontend import adapter, gen
+    from sgl_multilora.patches.frontend import adapter, gen
 
     state, _ = program_run
     prompt = expected_calls(state)[1][0]  # ends with the aLoRA's invocation

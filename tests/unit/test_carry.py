@@ -1,11 +1,11 @@
-"""Which `/generate` requests the cluster's gateway can move between workers (sgl_multilora/cluster/carry.py): one
+"""Which `/generate` requests the cluster's gateway can move between workers (sgl_multilora/gateway/carry.py): one
 prompt, no input logprobs. The moves themselves run against real workers in tests/e2e/test_cluster.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_multilora.cluster.carry import carriable
+from sgl_multilora.gateway.carry import carriable
 
 
 @pytest.mark.parametrize("body", [

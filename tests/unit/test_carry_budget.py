@@ -1,4 +1,4 @@
-"""The token budget a moved request continues with (sgl_multilora/cluster/carry.py): what its client asked for less
+"""The token budget a moved request continues with (sgl_multilora/gateway/carry.py): what its client asked for less
 the tokens already out, SGLang's default of 128 when it asked for nothing, and no bound when it set none (a chat
 completion without `max_tokens` reaches the worker as `max_new_tokens: null`, which SGLang runs up to the context
 length: a continuation capped at 128 would end a long answer early)."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_multilora.cluster.carry import CarriedRequest
+from sgl_multilora.gateway.carry import CarriedRequest
 
 
 def continued(params: dict, num_done: int) -> tuple[dict, int | None]:

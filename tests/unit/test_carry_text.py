@@ -1,4 +1,4 @@
-"""The text a moved request's client sees (sgl_multilora/cluster/carry.py): the output of every segment decoded
+"""The text a moved request's client sees (sgl_multilora/gateway/carry.py): the output of every segment decoded
 together by the model's real tokenizer behind a `/detokenize` route, so a character whose bytes a move split comes
 out whole, and a stop string that straddles a move ends the request there, cut as a worker cuts it; per chunk only
 a window of a few tokens is decoded (`IncrementalText`), with the same text at every chunk. The moves themselves
@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sgl_multilora.cluster.carry import (
+from sgl_multilora.gateway.carry import (
     DECODE_CONTEXT,
     DECODE_WINDOW,
     CarriedRequest,

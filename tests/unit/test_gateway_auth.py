@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_multilora.cluster.gateway import presents, required_key
+from sgl_multilora.gateway.app import presents, required_key
 
 API, ADMIN = "api-key", "admin-key"
 

@@ -11,7 +11,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from sgl_multilora.cluster.gateway import Gateway
+from sgl_multilora.gateway.app import Gateway
 from sgl_multilora.cluster.placement import Placement
 from tests.local_app import local_app
 

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from sgl_multilora.cluster import launch
-from sgl_multilora.cluster.launch import Cluster, ClusterError
+from sgl_multilora.gateway import launch
+from sgl_multilora.gateway.launch import Cluster, ClusterError
 
 
 def test_ports_are_distinct_even_when_free_port_repeats_itself(monkeypatch):

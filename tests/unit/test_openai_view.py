@@ -1,4 +1,4 @@
-"""OpenAI `/v1/completions` requests the gateway carries (sgl_multilora/cluster/openai_view.py): the native body is
+"""OpenAI `/v1/completions` requests the gateway carries (sgl_multilora/gateway/openai_view.py): the native body is
 what SGLang's own completion route builds (its request model and `_build_sampling_params` as the oracle), the rest
 pass through, and the view writes SGLang's own response objects (its pydantic models as the oracle). A carried
 completion moved between live workers: tests/e2e/test_cluster.py."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sgl_multilora.cluster.openai_view import CompletionView, ServingSettings, completion_as_native
+from sgl_multilora.gateway.openai_view import CompletionView, ServingSettings, completion_as_native
 
 protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
 serving = pytest.importorskip("sglang.srt.entrypoints.openai.serving_completions")
@@ -140,7 +140,7 @@ def test_incremental_workers_send_deltas_as_they_are():
 def test_chat_view_writes_what_serving_chat_writes(settings, options):
     """The role chunk, one chunk per non-empty delta, the finish chunk, the usage chunk: SGLang's own chunk builder
     and models as the oracle (serving_chat's plain path: no reasoning parser, no tools, no logprobs)."""
-    from sgl_multilora.cluster.openai_view import ChatView
+    from sgl_multilora.gateway.openai_view import ChatView
 
     sse_utils = pytest.importorskip("sglang.srt.entrypoints.openai.sse_utils")
     body = {"model": "m:caps", "messages": [], "stream": True, **({"stream_options": options} if options else {})}

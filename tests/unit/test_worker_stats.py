@@ -1,4 +1,4 @@
-"""What the cluster's gateway reads from a worker's `/multilora/stats` (sgl_multilora/cluster/moves.py,
+"""What the cluster's gateway reads from a worker's `/multilora/stats` (sgl_multilora/gateway/moves.py,
 `worker_memory`): the KV token slots `--balancer mell` packs (gateway.py, `_kv_capacity`) and the KV bytes per
 token and measured prefill seconds per token a move's plan weighs (moves.py, `plan_move`), on answers shaped as
 patches/stats.py builds them; and how long a read serves moves."""
@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from sgl_multilora.cluster.cost import MigrationCostModel
-from sgl_multilora.cluster.gateway import Gateway, _kv_capacity
-from sgl_multilora.cluster.moves import STATS_TTL_S, WorkerMemory, worker_memory
+from sgl_multilora.gateway.app import Gateway, _kv_capacity
+from sgl_multilora.gateway.moves import STATS_TTL_S, WorkerMemory, worker_memory
 from sgl_multilora.cluster.placement import Placement
 from sgl_multilora.cluster.records import Move
 from tests.local_app import local_app

@@ -1,7 +1,7 @@
 """The gateway's part in moving requests between workers: which workers are up, where a moving request goes, how
 its KV goes with it, and `POST /cluster/migrate`. Lives here: `MovesMixin` (mixed into `Gateway`) and
 `worker_memory` (the figures the gateway reads from a worker's `/multilora/stats`). Not here: a request's own stream
-and its moves (carry.py), routing (placement.py), the cost model (cost.py).
+and its moves (carry.py), routing (cluster/placement.py), the cost model (cluster/cost.py).
 
 Per move, KV transfer or token transfer + recompute (MELL section V): the core `MigrationCostModel` plans the move
 with what was measured live: the source's KV bytes per token, the destination's prefill seconds per token (its
@@ -24,14 +24,14 @@ import time
 import aiohttp
 from aiohttp import web
 
-from sgl_multilora.cluster.carry import HEALTH_TIMEOUT_S, ROUTED_HEADER, CarriedRequest
+from sgl_multilora.gateway.carry import HEALTH_TIMEOUT_S, ROUTED_HEADER, CarriedRequest
 from sgl_multilora.cluster.cost import MigrationCostModel
-from sgl_multilora.cluster.launch import bearer
-from sgl_multilora.cluster.openai_view import CompletionView
+from sgl_multilora.gateway.launch import bearer
+from sgl_multilora.gateway.openai_view import CompletionView
 from sgl_multilora.cluster.placement import NoWorkerError
 from sgl_multilora.cluster.records import Move
 
-logger = logging.getLogger("sgl_multilora.cluster.gateway")
+logger = logging.getLogger("sgl_multilora.gateway.app")
 MIGRATION_KINDS = ("auto", "kv", "recompute")
 INITIAL_LINK_BYTES_PER_S = 200e6
 """The channel's speed until a transfer was measured (then an exponential average of measured ones)."""

@@ -1,10 +1,10 @@
 """LoRA-aware placement in front of smg: the smallest layer that smg 1.13.0 needs to route by adapter.
 
-Lives here: `python -m sgl_multilora.cluster.gateway`, an HTTP front that clients use exactly as one SGLang server.
+Lives here: `python -m sgl_multilora.gateway.app`, an HTTP front that clients use exactly as one SGLang server.
 For each generation request it reads the adapter (`lora_path` of `/generate`, or OpenAI's `model="<base>:<adapter>"`)
-and the prompt's start, asks `Placement` (placement.py) for a worker, and forwards the request unchanged to smg with
-smg's own routing header `X-SMG-Target-Worker` (smg runs `--policy consistent_hashing`, the policy that honours
-it). smg does the rest: connections, health, retries, streaming. Every other path goes to smg as is.
+and the prompt's start, asks `Placement` (cluster/placement.py) for a worker, and forwards the request unchanged to
+smg with smg's own routing header `X-SMG-Target-Worker` (smg runs `--policy consistent_hashing`, the policy that
+honours it). smg does the rest: connections, health, retries, streaming. Every other path goes to smg as is.
 `GET /cluster/stats` is the cluster view: placements, routed counts, moves by kind, workers down, and each worker's
 KV and adapter memory from its `/multilora/stats`. Not here: starting processes (launch.py).
 
@@ -50,18 +50,18 @@ import aiohttp
 from aiohttp import web
 
 from sgl_multilora.cluster.balance import LiveBalancer
-from sgl_multilora.cluster.carry import ROUTED_HEADER, CarriedRequest, carriable
-from sgl_multilora.cluster.launch import ADMIN_KEY_ENV, API_KEY_ENV, bearer
-from sgl_multilora.cluster.moves import (
+from sgl_multilora.gateway.carry import ROUTED_HEADER, CarriedRequest, carriable
+from sgl_multilora.gateway.launch import ADMIN_KEY_ENV, API_KEY_ENV, bearer
+from sgl_multilora.gateway.moves import (
     INITIAL_LINK_BYTES_PER_S,
     MIGRATION_KINDS,
     MovesMixin,
     worker_memory,
 )
-from sgl_multilora.cluster.openai_view import ChatView, CompletionView, ServingSettings, completion_as_native
+from sgl_multilora.gateway.openai_view import ChatView, CompletionView, ServingSettings, completion_as_native
 from sgl_multilora.cluster.placement import NoWorkerError, Placement
 
-logger = logging.getLogger("sgl_multilora.cluster.gateway")
+logger = logging.getLogger("sgl_multilora.gateway.app")
 CHAT_NATIVE_ROUTE = "/multilora/chat/native"  # patches/chat_native.py (the gateway imports no SGLang)
 GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes: open whatever keys are set, as on SGLang's servers
@@ -338,7 +338,7 @@ def _kv_capacity(url: str, api_key: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sgl_multilora.cluster.gateway", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m sgl_multilora.gateway.app", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--router-url", required=True, help="smg, started with --policy consistent_hashing")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
                         "measured link and prefill speeds), kv (always transferred), recompute (always recomputed)")
     parser.add_argument("--balancer", choices=("none", "mell"), default="none",
                         help="mell: MELL's KV packing places carried requests and moves them as their KV grows "
-                        "(balance.py); none: placement alone")
+                        "(cluster/balance.py); none: placement alone")
     parser.add_argument("--balance-fill", type=float, default=0.8,
                         help="with --balancer mell: the share of a worker's KV slots the packing may fill")
     parser.add_argument("--balance-epoch-s", type=float, default=0.4,

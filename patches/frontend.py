@@ -1,5 +1,6 @@
 """SGLang frontend DSL programs that choose the adapter per `gen` call (client side; imports `sglang.lang`).
 
+In the seam (patches/), not the core, because it subclasses SGLang's own classes.
 Lives here: `MultiLoRAEndpoint`, a `RuntimeEndpoint` whose every `/generate` body carries `lora_path`; the two ways
 a program names the adapter of a call, `with adapter(s, name):` and `gen(name, adapter=name, ...)`; and
 `invocation_text`, the text that switches an aLoRA on. Not here: anything of the server, which loads the adapters
@@ -8,7 +9,7 @@ a program names the adapter of a call, `with adapter(s, name):` and `gen(name, a
 Example: base answer, an aLoRA check on the same context, base continuation::
 
     import sglang as sgl
-    from sgl_multilora.frontend import MultiLoRAEndpoint, adapter, gen, invocation_text
+    from sgl_multilora.patches.frontend import MultiLoRAEndpoint, adapter, gen, invocation_text
 
     endpoint = MultiLoRAEndpoint("http://127.0.0.1:30000")
     check = invocation_text(endpoint, "assets/adapters/check_caps")  # "<|im_start|>check_caps\n"
@@ -73,7 +74,7 @@ from sglang.lang.ir import SglExpr, SglExprList, SglSelect
 from sgl_multilora.adapters import read_config
 from sgl_multilora.patches import hook_table
 
-_WRONG_BACKEND = "choosing an adapter per call needs sgl_multilora.frontend.MultiLoRAEndpoint as backend"
+_WRONG_BACKEND = "choosing an adapter per call needs sgl_multilora.patches.frontend.MultiLoRAEndpoint as backend"
 
 
 class _AdapterSwitch(ChoicesSamplingMethod):

@@ -2,7 +2,7 @@
 
 Lives here: `carriable` (which requests can move), `CarriedRequest` (one request's stream, its moves, and what
 its client sees) and `IncrementalText` (a moved request's text, decoded a window at a time). Not here: choosing
-workers (placement.py), the HTTP front (gateway.py), OpenAI's objects (openai_view.py: an OpenAI completion is
+workers (cluster/placement.py), the HTTP front (app.py), OpenAI's objects (openai_view.py: an OpenAI completion is
 carried as its native body, and its view writes what its client sees).
 
 A carried request is one prompt (`text` a string or `input_ids` a flat list of ints) without input logprobs
@@ -48,7 +48,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-logger = logging.getLogger("sgl_multilora.cluster.carry")
+logger = logging.getLogger("sgl_multilora.gateway.carry")
 MAX_FAILOVERS = 3
 ROUTED_HEADER = "x-smg-routed-worker-id"  # smg's answer header: the worker that served a request
 OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
@@ -105,7 +105,7 @@ class ClientView(Protocol):
 
 
 class Front(Protocol):
-    """What a carried request needs from the gateway that carries it (gateway.py, moves.py)."""
+    """What a carried request needs from the gateway that carries it (app.py, moves.py)."""
 
     session: aiohttp.ClientSession
     router_url: str

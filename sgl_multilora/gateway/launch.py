@@ -4,8 +4,8 @@ Lives here: starting N `python -m sglang.launch_server` workers (the plugin load
 any server), waiting until each answers `/health_generate`, starting `smg launch` in front of them with a routing
 policy, and stopping the whole lot (each in its own process group, SIGTERM then SIGKILL, and every process also
 follows its launcher's death). `Cluster` is the Python API (a context manager); `python -m sgl_multilora.cluster`
-is the command line. Not here: placement of adapters or KV across workers (MELL's packing lives in the other
-modules of this package; smg's own policies route here), and anything that imports SGLang or smg.
+is the command line (cli.py). Not here: placement of adapters or KV across workers (sgl_multilora/cluster/, the
+pure placement core; smg's own policies route here), and anything that imports SGLang or smg.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ SMG_VERSION = "1.13.0"  # the router version this launcher is checked against (r
 # `smg launch --policy` choices of smg 1.13.0 (`passthrough` and the PD-only `bucket` left out).
 SMG_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
                 "prefix_hash", "manual")
-# Ours: smg with consistent_hashing (it honours X-SMG-Target-Worker) behind our gateway (gateway.py).
+# Ours: smg with consistent_hashing (it honours X-SMG-Target-Worker) behind our gateway (app.py).
 LORA_AWARE = "lora_aware"
 POLICIES = (LORA_AWARE, *SMG_POLICIES)
 # Flags the launcher sets itself on every worker.
 RESERVED_WORKER_FLAGS = ("--host", "--port")
 PORT_TRIES = 3  # starts of the router or the gateway on new ports when theirs is taken
 ADMIN_KEY_FLAG = "--admin-api-key"
-ADMIN_KEY_ENV = "SGL_MULTILORA_WORKER_ADMIN_KEY"  # how the gateway gets it (gateway.py reads it)
+ADMIN_KEY_ENV = "SGL_MULTILORA_WORKER_ADMIN_KEY"  # how the gateway gets it (app.py reads it)
 # The workers' `--api-key`, when the operator gives one: smg gets it too (it presents it to the workers and wants it
 # from clients), and so does the gateway (it wants it from clients and presents it on its own calls).
 API_KEY_FLAG = "--api-key"
@@ -175,7 +175,7 @@ class Cluster:
                 *([API_KEY_FLAG, self.api_key] if self.api_key else []), *self.router_args]
 
     def gateway_command(self) -> list[str]:
-        return [self.python, "-m", "sgl_multilora.cluster.gateway", "--host", self.host,
+        return [self.python, "-m", "sgl_multilora.gateway.app", "--host", self.host,
                 "--port", str(self.gateway_port), "--router-url", self.router_url,
                 "--worker-urls", *self.worker_urls, *self.gateway_args]
 

@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from sgl_multilora.cluster.carry import carriable, error_status
+from sgl_multilora.gateway.carry import carriable, error_status
 
 SAMPLING_FIELDS = {
     # CompletionRequest field -> (native sampling parameter, SGLang's default); serving_completions'

@@ -1,0 +1,110 @@
+"""The command line of `python -m sgl_multilora.cluster --workers N --router-port P --policy POLICY [-- <launch_server
+args>]`: N plugin workers on ports P+1..P+N behind SGLang's router `smg` on port P, until Ctrl-C or SIGTERM.
+
+Lives here: argument checks and the run loop (restarting a worker that exits). Not here: starting and stopping the
+processes (launch.py). `sgl_multilora/cluster/__main__.py` only calls `main`, so the command keeps the name users
+know while the pure placement core imports nothing of the live gateway."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from sgl_multilora.gateway.launch import POLICIES, RESERVED_WORKER_FLAGS, Cluster, ClusterError
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, worker_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_multilora.cluster",
+        description="Start N SGLang workers (with the sgl_multilora plugin) behind the smg router. Everything "
+                    "after `--` is passed to every `python -m sglang.launch_server` (--model-path included; "
+                    "--host and --port are set per worker).",
+        epilog="example: python -m sgl_multilora.cluster --workers 2 --router-port 30000 -- "
+               "--model-path M --enable-lora --lora-paths caps=assets/adapters/caps --device cpu ...")
+    parser.add_argument("--workers", type=int, required=True, help="number of workers")
+    parser.add_argument("--router-port", type=int, default=30000,
+                        help="the router's port; workers listen on the next N ports (default: 30000)")
+    parser.add_argument("--policy", choices=POLICIES, default="lora_aware",
+                        help="lora_aware (default): our adapter-aware placement in front of smg "
+                             "(sgl_multilora/gateway/app.py); any other: that smg routing policy alone")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
+    parser.add_argument("--log-dir", default=None, help="worker<i>.log and router.log (default: a temp dir)")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `smg launch` argument (repeat, e.g. --router-arg=--cache-threshold "
+                             "--router-arg=0.5)")
+    parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument of our gateway with lora_aware (repeat, e.g. --gateway-arg=--balancer "
+                             "--gateway-arg=mell for MELL's live KV balancing, --gateway-arg=--migration "
+                             "--gateway-arg=recompute)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="times a worker that exits is started again before the cluster stops (default: 3; "
+                             "with lora_aware its running requests continue on the other workers meanwhile)")
+    args = parser.parse_args(own)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if not 0 < args.router_port <= 65535 - args.workers:
+        parser.error(f"--router-port {args.router_port} leaves no room for {args.workers} worker ports above it")
+    if "--model-path" not in worker_args:
+        parser.error("pass the worker flags after `--`, including --model-path")
+    for flag in RESERVED_WORKER_FLAGS:
+        if flag in worker_args:
+            parser.error(f"{flag} is set per worker by the launcher; leave it out of the worker flags")
+    return args, worker_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_args = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def stop_on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python keeps that
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_on_signal)
+    cluster = Cluster(args.workers, worker_args, policy=args.policy, router_port=args.router_port, host=args.host,
+                      router_args=args.router_arg, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+                      gateway_args=args.gateway_arg)
+    try:
+        print(f"starting {args.workers} workers (logs in {cluster.log_dir}) ...", flush=True)
+        with cluster:
+            if cluster.gateway is not None:
+                print(f"serving {cluster.url}  (LoRA-aware placement; cluster view {cluster.url}/cluster/stats)")
+            print(f"router  {cluster.router_url}  (policy {args.policy}, metrics {cluster.metrics_url})")
+            for url in cluster.worker_urls:
+                print(f"worker  {url}")
+            if cluster.admin_key_file is not None:
+                print(f"the workers' admin API key (for their admin routes and /cluster/migrate) is in "
+                      f"{cluster.admin_key_file}")
+            if cluster.api_key:
+                print("every route but the probes wants the workers' --api-key (Authorization: Bearer <key>)")
+            print("Ctrl-C stops the cluster", flush=True)
+            restarts = [0] * len(cluster.workers)
+            while True:
+                time.sleep(1.0)
+                exited = cluster.exited()
+                if not exited:
+                    continue
+                handle = exited[0]
+                print(f"error: {handle.url} exited with code {handle.process.returncode}; log {handle.log_path}:\n"
+                      f"{handle.log_tail()}", file=sys.stderr, flush=True)
+                if handle not in cluster.workers or restarts[cluster.workers.index(handle)] >= args.max_restarts:
+                    return 1
+                index = cluster.workers.index(handle)
+                restarts[index] += 1
+                print(f"restarting worker {index} ({restarts[index]} of {args.max_restarts})", flush=True)
+                cluster.restart_worker(index)
+                print(f"worker  {handle.url}  is back", flush=True)
+    except ClusterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
