@@ -43,7 +43,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sgl_multilora.patches import flags
 
 # Padding rows one more SDPA call is worth: a request whose KV is shorter than its group's longest by more than this
-# starts a new group. eval/bench/cpu_decode.py times it (`--pad-rows`) on SmolLM2 shapes (README, Measured).
+# starts a new group. eval/bench/cpu_decode.py times it (`--pad-rows`) on SmolLM2 shapes (eval/RESULTS.md).
 PAD_ROWS_PER_CALL = 64
 
 

@@ -63,9 +63,8 @@ cost does not count it either (it reuses it).
 
 Slot drains (slots.py, rule 3; `--multilora-slot-drain-share`) live in the plan alone: the drained adapter's queued
 requests are not planned, so SGLang's pass does not take them, and nothing is retracted. They serve the requests no
-squash serves, above all the squash's own victims: before the drain, under sustained load (every running adapter
-receiving requests), a retracted request waited up to 17.8 s to resume
-(eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md).
+squash serves, above all the squash's own victims: without the drain, under sustained load (every running adapter
+receiving requests), a retracted request can wait for a slot as long as the stream lasts.
 """
 
 from __future__ import annotations
@@ -145,7 +144,7 @@ class LiveScheduler:
         max_new = getattr(req.sampling_params, "max_new_tokens", None)
         # adapter_tokens 0: adapter memory is charged once per resident adapter by the pool (and SGLang's budget
         # sees it), not once per request; charging every request its adapter's slots throttled the plan far below
-        # what the server could run (eval/results/multiqueue_live.md).
+        # what the server could run.
         # cached_len: a follow-up turn whose history is cached brings only its new tokens (request.py)
         in_len = len(req.origin_input_ids)
         cached = min(in_len - 1, self._cached_len(req)) if self._cached_len is not None and in_len else 0
@@ -259,7 +258,7 @@ class LiveScheduler:
         trigger); a load under way is not blocked. An adapter made resident now is pinned until the pass ends
         (`LiveMemory.set_running` then reads the pins off the batches), so that no later load of the same plan
         evicts it before its request is admitted: unpinned, plans that asked for more adapters than fit evicted
-        each other's, every pass (eval/results/unified_memory_chatbot_mq.md: 426 loads against 55)."""
+        each other's, every pass."""
         memory = process_state().memory
         if memory.ensure_resident(identity, None):
             memory.residency.acquire(identity)

@@ -25,7 +25,7 @@ def cpu_server_args(max_total_tokens: int = 8192) -> list[str]:
     instead of polling (an idle polling scheduler takes a whole core from everything else on a small machine), and no
     overlap scheduler: on a CPU the forward runs in the scheduler's own thread, so overlapping only defers each
     batch's results (a prefill's first token) until the next batch's forward has finished, one decode step later
-    (`eval/results/cpu_overlap.md`). Every arm of every benchmark gets these flags alike."""
+    (measured: eval/RESULTS.md, the CPU server path). Every arm of every benchmark gets these flags alike."""
     return [
         "--sleep-on-idle",
         "--disable-overlap-schedule",

@@ -16,7 +16,7 @@ the stock answer to the per-batch adapter cap that the multi-queue's slot squash
 spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
 `--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice). Optional
 arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1 --multilora-max-slot-squashes 2`, the setting the simulator
-favours at GPU scale under SGLang's cap of 8 (README, Measured).
+favours at GPU scale under SGLang's cap of 8 (eval/RESULTS.md).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT). Per arm: its max rate under the TTFT SLO,

@@ -56,15 +56,13 @@ class SchedConfig:
     batch takes nothing else (multiqueue.py). This bounds every wait by `overdue_s` plus the FCFS
     wait among overdue requests; the price is that past the knee, when most requests are overdue,
     admission turns into FCFS and loses the share of requests served within the SLO that ordering
-    by size wins (eval/results/sim_chameleon.md measures both). inf (the default): never overdue,
+    by size wins (measured: eval/RESULTS.md). inf (the default): never overdue,
     Chameleon's Algorithm 1 as published."""
     slot_squash_share: float = 0.5
     """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
     SLO for a slot is squashed for whatever the prediction says (slots.py); before that only a
     predicted SLO miss fires the squash. Lower squashes sooner: shorter first-token waits, longer
-    end-to-end times for the requests retracted. 0.25 against 0.5, simulated at GPU scale under
-    SGLang's cap of 8 and live on two seeds: README, Adapter-aware admission; 0.5 stays the default
-    (live, 0.25's SLO goodput was lower at two of three rates on the second seed)."""
+    end-to-end times for the requests retracted (0.25 against 0.5 measured: eval/RESULTS.md)."""
     max_slot_squashes: int = 1
     """With a cap on adapters per batch, a request is retracted by slot squashes at most this often
     (its memory squashes counted too); 0: no slot squash. Each squash serves a request that has
@@ -77,12 +75,9 @@ class SchedConfig:
     the fewest request-seconds takes no new request until its last one finishes, and the freed
     slot is reserved for the waiting request. It bounds the wait of what no slot squash serves: a
     retracted request resuming (its first token out), or one whose squash finds no victim, while
-    the running adapters keep receiving requests (without it, live, resumed requests waited up to
-    17.8 s for a slot: eval/results/multiqueue_live_rates_maxrate_seed1_rerun.md). math.inf (the
-    default): never. Off by default because, live past the knee, the requests of the drained
-    adapters paid for it in first-token time: P99 TTFT 5.98 s (share 1) against 2.59 s without it at
-    2.69 req/s, SLO goodput 1.70 against 2.33 req/s
-    (eval/results/multiqueue_live_rates_maxrate_seed1_draincost.md). Set it above
+    the running adapters keep receiving requests. math.inf (the default): never. Off by default
+    because, live past the knee, the requests of the drained adapters paid for it in first-token
+    time (measured: eval/RESULTS.md, decided off). Set it above
     `slot_squash_share` so that a fresh request is squashed for first, which costs it less."""
     memory_hold_share: float = 0.5
     """A queued request whose adapter could not be made resident even after evicting every idle

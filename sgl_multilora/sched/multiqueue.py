@@ -27,9 +27,7 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   (cached: the prefix a running request locks, evictable again once it finishes; a backfilled
   request's cost counted against the slack again though part of it is already out of the budget,
   so that its decode growth is covered). It delays the held request by nothing the budget sees.
-  Off by default (`config.memory_hold_backfill`): its first version, which left the locked
-  prefixes out, let chatbot turns with long cached histories take the held request's room
-  (eval/results/unified_memory_chatbot_backfill_seed1.md).
+  Off by default (`config.memory_hold_backfill`; measured: eval/RESULTS.md, decided off).
 - Room reservation (not in the paper; room.py, `config.room_squash_share`), before the memory
   hold: the batch after a room squash admits its beneficiary alone, before the victims (older,
   so first in every phase) could take the room back; if it cannot go in, the batch takes
@@ -39,9 +37,8 @@ Each `build_batch` (reference/seed-chameleon.md, 4.3):
   oldest resident one does not fit the budget, the batch takes nothing else (an FCFS hold among
   overdue requests), so no request waits more than `overdue_s` plus the FCFS wait of the overdue
   requests ahead of it (one larger than any budget goes in once nothing runs). Ordering by size
-  alone moves the tail onto large requests (at the knee of eval/results/sim_chameleon.md, P99
-  TTFT over twice fcfs's); this bounds it, and past the knee, where most requests are overdue,
-  gives FCFS order back.
+  alone can move the tail onto large requests (measured: eval/RESULTS.md); this bounds it, and
+  past the knee, where most requests are overdue, gives FCFS order back.
 - Phase 1: queues in ascending WRS order admit FIFO up to their available quota (quota minus the
   tokens their running requests hold).
 - Phase 2: queues left empty lend their unused quota; non-empty queues, smallest first, admit

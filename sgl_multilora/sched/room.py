@@ -6,9 +6,8 @@ victims' KV in the tree) or the room itself (the caller's memory: `LiveMemory.ro
 
 The resource. Not in the paper, whose squash (bypass.py) frees adapter memory for a request that a later one bypassed.
 On a server whose decode steps are slow next to a request's life, the room a waiting request needs is held by
-running requests for their whole decode: on the live chatbot (eval/results/unified_memory_chatbot_overdue_seed2.md,
-2-core CPU, 0.2-0.5 s a token under load) the slowest first tokens were requests that waited 5-8 s in a burst for
-KV that running 40-55 token decodes held, while alone each took 0.1-1.0 s. Neither a queue order nor a hold serves
+running requests for their whole decode: in a burst the slowest first tokens can be requests waiting for KV that
+running decodes hold, while alone each would take a fraction of that. Neither a queue order nor a hold serves
 them: whatever goes first waits for the same decodes to end. This rule trades some of the running requests'
 end-to-end time (they already have their first token) for the waiting one's first token.
 
@@ -26,9 +25,7 @@ batch admits R1 alone before anything else (one batch: a beneficiary that cannot
 Bounds: one squash at a time (none while a reservation is pending), a request squashed at most `max_squashes` times,
 and a resumed request is never R1 (its first token is out), so squashes cannot cascade or alternate.
 
-Measured (README, the unified pool's chatbot paragraph; eval/results/unified_memory_chatbot_room_seed2.md): on that
-chatbot it fired 8 times in 3 repeats and left the pooled P99 within the run-to-run spread (0.46x of stock's against
-0.53x without it), since there the tail's requests had also lost their histories, which no order gives back: off.
+Why it is off by default: eval/RESULTS.md, decided off.
 """
 
 from __future__ import annotations

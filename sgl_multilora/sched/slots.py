@@ -7,9 +7,9 @@ Lives here: `AdapterSlots` (one batch's view of the cap), `SlotSquash` and `choo
 
 The resource. SGLang runs at most `--max-loras-per-batch` distinct adapters in one batch (the base
 model counts as one); a request whose adapter is not among the running ones waits until every
-running request of some adapter has finished. Under decode-heavy load that wait is a whole decode:
-in eval/results/multiqueue_live.md requests of 9 prompt tokens waited 17 s behind eight adapters'
-40-token decodes, under fcfs and the plain multi-queue alike. Chameleon's engine (S-LoRA) has no
+running request of some adapter has finished. Under decode-heavy load that wait is a whole decode,
+under fcfs and the plain multi-queue alike (measured: eval/RESULTS.md, multi-queue admission).
+Chameleon's engine (S-LoRA) has no
 such cap, so the paper has no rule for it; these two apply its ideas to it.
 
 1. Admission counts slots. A request that would need a new slot when none is left is passed over,
@@ -127,9 +127,8 @@ def choose_drain_adapter(running: Mapping[str | None, Sequence[SchedRequest | No
     `finish` seconds holds up the request it is for and A's `waiting` queued requests for up to
     `finish` each, and A's requests arriving meanwhile (at A's recent arrival rate, `rates`, per
     second) for half of it on average: cost = finish (1 + waiting) + rate finish^2 / 2. So an idle
-    adapter goes before a busy one that would finish a little sooner (live, draining the busy one
-    kept its new requests from their first token for 8-10 s:
-    eval/results/multiqueue_live_rates_maxrate_seed1_drain.md). Ties: sooner, fewer running
+    adapter goes before a busy one that would finish a little sooner (draining the busy one keeps
+    its new requests from their first token for its whole drain). Ties: sooner, fewer running
     requests, name. An adapter with a request the scheduler does not know (None) predicts inf and
     goes last. None when every running adapter is in `exclude`. Pure."""
     waiting, rates = waiting or {}, rates or {}

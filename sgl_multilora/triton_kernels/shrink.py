@@ -18,8 +18,8 @@ def shrink_config(max_tokens: int, in_features: int, max_rank: int, num_slots: i
                   num_slices: int = 1) -> dict[str, int]:
     """Launch config by shape. Shrink reads a long A (rank x in_features) per slot and slice, so it is
     bandwidth-bound and needs enough programs streaming A at once: K is split across programs until the launch has
-    about TARGET_PROGRAMS busy ones (measured on an H200: without the split, 128 decode tokens on one adapter of
-    `down` ran 2 programs and took 7x the time of 64 tokens; eval/results/lora_kernels.md)."""
+    about TARGET_PROGRAMS busy ones (without the split, a decode on one adapter of `down` runs only a couple of
+    programs; measured: eval/RESULTS.md, kernels)."""
     block_r = tiles.rank_tile(max_rank)
     block_m = token_block(max_tokens, num_slots)
     block_k = 128 if block_r <= 32 else 64

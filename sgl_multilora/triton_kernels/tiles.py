@@ -16,10 +16,9 @@ def token_block(max_tokens: int, num_slots: int) -> int:
 TARGET_PROGRAMS = 256  # about two waves on a 132-SM H100 / H200
 RANK_CHUNK = 32
 """The widest rank tile one program computes. The kernels tile every slot of a launch at one width, so without a
-cap a batch mixing ranks 8..128 computed every adapter at 128 (measured on an H100: as slow as all at rank 128);
-above the cap, shrink splits the rank over programs and expand loops over it, each slot over its own rank's tiles
-only. 32 against 64 and no cap (128), interleaved on an H100 over 1,056 shapes and 40 whole layers, chosen by the
-lowest geometric mean: eval/results/lora_step_gpu.md."""
+cap a batch mixing ranks 8..128 computes every adapter at 128; above the cap, shrink splits the rank over programs and expand loops over it, each slot over its own rank's tiles
+only. 32 was chosen against 64 and no cap (128) by the lowest geometric mean over a grid of shapes and whole layers
+(measured: eval/RESULTS.md, kernels)."""
 
 
 def rank_tile(max_rank: int) -> int:
@@ -30,9 +29,8 @@ def rank_tile(max_rank: int) -> int:
 
 ONE_TILE_PATH = True
 """Launches whose largest rank fits one rank tile (every launch of ranks <= RANK_CHUNK) compile the kernels without
-the rank split and loop: the compiler then sees a rank offset of zero and a single tile. Measured against the general
-path on an H200, interleaved (eval/results/rank_tile_ab.md): 0.91x median over 211 shapes of ranks 8-32 (prefill
-0.58-0.87x), rank 64 (the same launch in both arms) 1.00x. Off, every launch runs the general path (read at call
+the rank split and loop: the compiler then sees a rank offset of zero and a single tile (against the general path:
+eval/RESULTS.md, kernels). Off, every launch runs the general path (read at call
 time: the benchmark `eval/bench/rank_tile_ab.py` sets it)."""
 
 
