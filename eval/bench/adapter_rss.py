@@ -32,7 +32,7 @@ from pathlib import Path
 import requests
 
 from eval.bench.soak import process_tree_rss
-from eval.bench.unified_memory import CACHE, ELEMS_PER_RANK, NUM_LAYERS, make_adapters
+from eval.live.adapters import CACHE, ELEMS_PER_RANK, NUM_LAYERS, make_adapters
 from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
 

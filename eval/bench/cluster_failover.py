@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from eval.bench.cluster_live import WORKLOAD_PARAMS
 from eval.bench.results import median_range, run_record, save
-from eval.bench.unified_memory import make_adapters, summarize
+from eval.live.adapters import make_adapters
 from eval.live.driver import ServedAdapter, Target, replay
+from eval.live.ttft import replay_summary
 from eval.workloads import create_workload
 from sgl_multilora.gateway.launch import Cluster
 from sgl_multilora.server import cpu_server_args
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
                 finally:
                     timer.cancel()
                 row = {"arm": arm, "repeat": rep, "load_avg": load, "killed": bool(killed and killed[0]),
-                       "num_requests": len(results), **summarize(results)}
+                       "num_requests": len(results), **replay_summary(results)}
                 if arm == "lora_aware":
                     view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()
                     row.update(moves=view["migrations"], down=view["down"])

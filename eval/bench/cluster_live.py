@@ -29,8 +29,9 @@ import requests
 from tqdm import tqdm
 
 from eval.bench.results import median_range, run_record, save
-from eval.bench.unified_memory import make_adapters, summarize
+from eval.live.adapters import make_adapters
 from eval.live.driver import ServedAdapter, Target, replay
+from eval.live.ttft import replay_summary
 from eval.workloads import create_workload
 from sgl_multilora.gateway.launch import Cluster
 from sgl_multilora.server import cpu_server_args
@@ -69,7 +70,7 @@ def measure(cluster: Cluster, arm: str, name: str, workload, served, results_pat
     load = os.getloadavg()[0]
     results = replay(workload, [Target(arm, cluster.url)], results_path, name, served, timeout_s=900)
     after = pool_counters(cluster.worker_urls)
-    row = {"arm": arm, "workload": name, "repeat": repeat, "load_avg": load, **summarize(results),
+    row = {"arm": arm, "workload": name, "repeat": repeat, "load_avg": load, **replay_summary(results),
            **{k: after[k] - before[k] for k in after}}
     if arm in GATEWAY_ARMS:
         view = requests.get(cluster.url + "/cluster/stats", timeout=60).json()

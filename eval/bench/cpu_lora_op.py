@@ -172,7 +172,7 @@ def burst(url: str, prompts: list[str], adapters: list[str], new_tokens: int) ->
 def measure_server(args) -> dict:
     import requests
 
-    from eval.bench.unified_memory import CACHE, make_adapters
+    from eval.live.adapters import CACHE, make_adapters
     from eval.workloads import create_workload
     from sgl_multilora.embedded import ensure_embedded_model
     from sgl_multilora.server import cpu_server_args, launch

@@ -71,7 +71,7 @@ def one_round(url: str, adapters: list[str], args, tag: str) -> dict:
 def measure(args) -> dict:
     import requests
 
-    from eval.bench.unified_memory import CACHE, make_adapters
+    from eval.live.adapters import CACHE, make_adapters
     from eval.workloads import create_workload
     from sgl_multilora.embedded import ensure_embedded_model
     from sgl_multilora.server import cpu_server_args, launch

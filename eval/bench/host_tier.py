@@ -37,7 +37,8 @@ import requests
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import CACHE, flush, make_adapters
+from eval.live.adapters import CACHE, make_adapters
+from eval.live.arms import flush
 from eval.live.driver import ServedAdapter, Target, replay
 from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, free_port, launch

@@ -45,8 +45,9 @@ import requests
 from tqdm import tqdm
 
 from eval.bench.results import save
-from eval.bench.unified_memory import CACHE, make_adapters, summarize
+from eval.live.adapters import CACHE, make_adapters
 from eval.live.driver import ServedAdapter, Target, replay
+from eval.live.ttft import replay_summary
 from eval.sim import sched_report
 from eval.workloads import create_workload
 from sgl_multilora.server import cpu_server_args, launch
@@ -151,7 +152,7 @@ def main() -> None:
                         results = replay(workload, [Target(name, servers[name].url)], raw, f"rep{rep}", served,
                                          time_scale=scale, timeout_s=900)
                         runs.append({"arm": name, "repeat": rep, "time_scale": scale,
-                                     "rate_req_s": workload.offered_rate * scale, **summarize(results),
+                                     "rate_req_s": workload.offered_rate * scale, **replay_summary(results),
                                      "within_slo": within_slo(results, args.slo_s)})
                         bar.update(1)
         ours = next((a for a in names if a.startswith("multiqueue")), None)

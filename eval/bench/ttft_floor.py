@@ -42,9 +42,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
-from eval.bench.unified_memory import (CACHE, arm_spec, best_stock_pooled, flush, make_adapters, ordered_arms,
-                                       request_ttfts, workload_from_args)
+from eval.live.adapters import CACHE, make_adapters, workload_from_args
+from eval.live.arms import arm_spec, flush, ordered_arms
 from eval.live.driver import ServedAdapter, Target, replay
+from eval.live.ttft import best_stock_pooled, request_ttfts
 from sgl_multilora.server import cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +201,7 @@ def main() -> None:
     parser.add_argument("--pool-tokens", type=int, default=6000)
     parser.add_argument("--max-loras-per-batch", type=int, default=4)
     parser.add_argument("--arm", default="stock",
-                        help="whose flags and KV budget, an arm name of unified_memory.py (stock, stock-cap6, ours, "
+                        help="whose flags and KV budget, an arm name of eval/live/arms.py (stock, stock-cap6, ours, "
                         "...); alone, the scheduler does not act")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload parameter NAME=VALUE")
@@ -224,7 +225,7 @@ def main() -> None:
     chains(workload)  # fails early, before a server starts, on a workload it cannot replay
     adapters_dir = make_adapters(model, workload, CACHE / f"{args.workload}-{args.num_adapters}-{args.ranks}")
     max_rank = max(ranks)
-    try:  # the arm's flags and KV budget exactly as unified_memory.py gives them
+    try:  # the arm's flags and KV budget exactly as unified_memory.py's arm of that name has them
         tokens, own = arm_spec(args.arm, argparse.Namespace(**vars(args), policy="elora", slo_s=2.0, drain_wait_s=2.0),
                                workload, max_rank)
     except ValueError as exc:

@@ -1,38 +1,11 @@
 """Live CPU servers, same total memory: adapters and KV in one pool (ours) against SGLang's memory layout (stock).
 
-Arms (both serve the same random PEFT adapters, named and ranked as the workload's, on the embedded model):
-- `ours`: `--radix-cache-backend multilora` with `--multilora-memory unified`: a pool of `--pool-tokens` token
-  slots shared by adapter weights and KV, evicted and prefetched by `--policy`.
-- `ours-mq` (optional): `ours` with the multi-queue scheduler (`--multilora-scheduler multiqueue`, TTFT SLO
-  `--slo-s`): the whole stack, adapter-slot squashes included; next to `ours` it shows what the scheduler adds.
-- `<arm>-drain` (optional, any arm): that arm with SGLang's LoRA drainer (`--lora-drain-wait-threshold
-  --drain-wait-s`), so a baseline can run with and without it in one run: the drainer helps one workload and hurts
-  another, and the baseline is reported at its best.
-- `stock`: SGLang's own prefix cache and SGLang's memory split: slot buffers for `--max-loras-per-batch` adapters
-  of `--max-lora-rank` over the adapters' target modules are taken off the same budget, and the KV pool gets the
-  rest (`--max-total-tokens` = pool tokens - buffer bytes / slot bytes). On the CPU path SGLang's LoRA layers do not
-  run, so the stock arm computes with our CPU LoRA layers from the host copies: its adapter swaps into slot buffers
-  cost nothing here (in SGLang they are host-to-device copies), which favours the stock arm.
-- `ours-mq[-cap<N>]-hold<X>[-strict|-backfill]` (optional, before `-drain`): the multi-queue arm with
-  `--multilora-memory-hold-share X` (0: never hold), `-backfill` with `--multilora-hold-backfill` too (`-strict`:
-  without, the default), to weigh the memory hold and its backfill against the defaults in one run.
-- `<arm>-nomove` (optional, ours and ours-mq, before `-drain`): that arm with `--multilora-disable-kv-moves`: runs for
-  an adapter's matrices are freed by eviction only, never by moving KV, to weigh the moves in one run.
-- `<arm>-host<GB>` (optional, ours and ours-mq, before `-drain`): that arm with a host tier of GB for the KV its
-  pool evicts (`--multilora-host-kv-gb`). More memory than the other arms are given on the device: the report names
-  it, and a fair stock counterpart is SGLang's HiCache with the same host memory (which does not start on CPU).
-- `ours-mq...-overdue<S>` (optional, before `-drain`): the multi-queue arm with `--multilora-overdue-s S` (requests
-  waiting S seconds go first, oldest first), to weigh that bound on the tail in one run.
-- `ours-mq...-protect` (optional, before `-drain`): the multi-queue arm with `--multilora-protect-queued-kv` (the
-  plan's budget leaves out the histories waiting requests would reuse).
-- `ours-mq...-room<X>` (optional, before `-drain`): the multi-queue arm with `--multilora-room-squash-share X`
-  (running decodes retracted for a request that has waited X of the SLO for KV room).
-- `<arm>-cap<N>` (optional, any arm, before `-drain`): that arm with `--max-loras-per-batch N` instead of the common
-  cap. SGLang's cap is what its slot buffers are sized by, so a stock arm's KV pool shrinks or grows with it; our
-  pool holds adapters in KV memory and the LoRA compute reads them in place, so a larger cap costs our arms nothing.
-  Each side is then compared at its own best setting: the headline takes, at each rate, the stock arm with the lower
-  median mean TTFT, whatever its cap or drainer.
-Both servers start once and stay up (idle ones sleep); every repeat replays the workload at every rate on each arm,
+Every arm serves the same random PEFT adapters (eval/live/adapters.py), named and ranked as the workload's, on the
+embedded model. `--arms` names them in the arm grammar of eval/live/arms.py: `stock`, `ours`, `ours-mq` (the
+multi-queue scheduler on top, TTFT SLO `--slo-s`) and their options (`-cap<N>`, `-hold<X>`, `-nomove`, `-host<GB>`,
+`-drain`, ...). Each side is compared at its own best setting: the headline takes, at each rate, the stock arm with
+the lower median mean TTFT, whatever its cap or drainer.
+Every arm's server starts once and stays up (idle ones sleep); every repeat replays the workload at every rate on each arm,
 arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
 TTFT; the report gives the median and spread (min, max) over repeats and the per-repeat ratios ours / stock, and
 mean and P99 over every repeat's requests together (`--pooled-only` prints those from a committed request log): a
@@ -49,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import time
@@ -62,234 +33,21 @@ import requests
 from tqdm import tqdm
 
 from eval.bench.results import nearest_rank, save
+from eval.live.adapters import CACHE, ELEMS_PER_RANK, NUM_LAYERS, REPO, make_adapters, workload_from_args
+from eval.live.arms import (
+    arm_spec,
+    flush,
+    hold_mode,
+    host_gb,
+    no_kv_moves,
+    ordered_arms,
+    parse_arm,
+    split_hold,
+    stock_buffer_tokens,
+)
 from eval.live.driver import ServedAdapter, Target, replay
-from eval.workloads import create_workload
+from eval.live.ttft import pooled_lines, replay_summary, request_ttfts
 from sgl_multilora.server import cpu_server_args, launch
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache" / "unified_memory_adapters"
-# SmolLM2-135M, fp32: per layer and rank, A and B elements of each projection (in + out)
-ELEMS_PER_RANK = {"q_proj": 576 + 576, "k_proj": 576 + 192, "v_proj": 576 + 192, "o_proj": 576 + 576,
-                  "gate_proj": 576 + 1536, "up_proj": 576 + 1536, "down_proj": 1536 + 576}
-NUM_LAYERS, SLOT_BYTES = 30, 46080  # a slot: one token's K and V over 30 layers, 3 KV heads x 64, fp32
-
-
-def make_adapters(model_path: str, workload, out_dir: Path) -> Path:
-    """Random PEFT adapters (seeded per name) with the workload's names, ranks and target modules; reused when
-    present."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [a for a in workload.adapters if not (out_dir / a.name / "adapter_model.safetensors").exists()]
-    if not todo:
-        return out_dir
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    for i, a in enumerate(tqdm(todo, desc="random adapters")):
-        torch.manual_seed(1000 + i)
-        config = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, init_lora_weights=False, task_type="CAUSAL_LM",
-                            target_modules=list(a.target_modules))
-        model = get_peft_model(base, config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(0.5)
-        model.save_pretrained(str(out_dir / a.name))
-        base = model.unload()
-    return out_dir
-
-
-def stock_buffer_tokens(workload, max_loras_per_batch: int, max_rank: int) -> int:
-    """Token slots SGLang's LoRA slot buffers take: max_loras_per_batch adapters of max_rank over the union of
-    the workload's target modules, fp32, every layer."""
-    modules = sorted({m for a in workload.adapters for m in a.target_modules})
-    per_adapter = NUM_LAYERS * max_rank * sum(ELEMS_PER_RANK[m] for m in modules) * 4
-    return -(-max_loras_per_batch * per_adapter // SLOT_BYTES)
-
-
-ARM_BASES = ("stock", "ours", "ours-mq")
-
-
-def split_hold(name: str) -> tuple[str, float | None]:
-    """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
-    (name, None); `-nomove` and `-host<GB>` are dropped first. Raises ValueError for a share that is not a number
-    >= 0, or a mode without `-hold<X>`."""
-    name = _without_options(name)
-    head, sep, tail = name.partition("-hold")
-    if not sep:
-        if hold_mode(name):
-            raise ValueError(f"unknown arm {name!r}: -strict and -backfill follow -hold<X>")
-        return name, None
-    share, _, rest = tail.partition("-")
-    try:
-        value = float(share)
-    except ValueError:
-        value = -1.0
-    mode, _, drain = rest.partition("-") if rest != "drain" else ("", "", "drain")
-    if value < 0 or mode not in HOLD_MODES or drain not in ("", "drain"):
-        raise ValueError(f"unknown arm {name!r}: -hold<X> takes a memory-hold share X >= 0 (0: never hold), "
-                         "then -strict (the hold admits nothing else) or -backfill, and -drain, each optional")
-    return head + ("-drain" if drain else ""), value
-
-
-HOLD_MODES = ("", "strict", "backfill")
-"""`-hold<X>-strict`: the arm's memory hold admits nothing else (the default since backfill went off by default;
-the name kept for the records that ran it with the backfill on by default); `-backfill`:
-`--multilora-hold-backfill`."""
-
-
-def hold_mode(name: str) -> str:
-    """"strict", "backfill" or "" (the server's default) for an arm name (`parse_arm` checks the name)."""
-    for mode in HOLD_MODES[1:]:
-        if f"-{mode}" in name:
-            return mode
-    return ""
-
-
-def no_kv_moves(name: str) -> bool:
-    """Whether the arm runs with `--multilora-disable-kv-moves` (`-nomove` in its name)."""
-    return "-nomove" in name
-
-
-def protects_queued_kv(name: str) -> bool:
-    """Whether the arm runs with `--multilora-protect-queued-kv` (`-protect` in its name)."""
-    return "-protect" in name
-
-
-def _positive_option(pattern: re.Pattern, name: str, usage: str) -> float | None:
-    """The number after an option of the arm name (`pattern`'s group), else None. Raises ValueError naming `usage`
-    for a value that is not a number > 0."""
-    match = pattern.search(name)
-    if match is None:
-        return None
-    value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
-    if value <= 0:
-        raise ValueError(f"unknown arm {name!r}: {usage}")
-    return value
-
-
-def host_gb(name: str) -> float | None:
-    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
-    number > 0."""
-    return _positive_option(_HOST, name, "-host<GB> takes a host tier size GB > 0")
-
-
-def overdue_s(name: str) -> float | None:
-    """The arm's `--multilora-overdue-s` (`-overdue<S>` in its name), else None. Raises ValueError for a value that
-    is not a number > 0."""
-    return _positive_option(_OVERDUE, name, "-overdue<S> takes a wait S > 0 in seconds")
-
-
-def room_share(name: str) -> float | None:
-    """The arm's `--multilora-room-squash-share` (`-room<X>` in its name), else None. Raises ValueError for a value
-    that is not a number > 0."""
-    return _positive_option(_ROOM, name, "-room<X> takes a share X > 0 of the TTFT SLO")
-
-
-_HOST = re.compile(r"-host([^-]*)")
-_OVERDUE = re.compile(r"-overdue([^-]*)")
-_ROOM = re.compile(r"-room([^-]*)")
-_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
-
-
-def _without_options(name: str) -> str:
-    """The arm name without its `-nomove`, `-protect`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of
-    the grammar is positional)."""
-    name = _HOST.sub("", name.replace("-nomove", "", 1).replace("-protect", "", 1), count=1)
-    return _ROOM.sub("", _OVERDUE.sub("", name, count=1), count=1)
-
-
-def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`
-    -> (base, cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-protect`
-    (`protects_queued_kv`), `-overdue<S>` (`overdue_s`) and `-room<X>` (`room_share`) only on `ours-mq`, `-nomove`
-    (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any other name."""
-    ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
-    mq_only = ("-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None
-               else "-protect" if protects_queued_kv(name) else None)
-    bare, hold = split_hold(name)
-    rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
-    base, _, cap = rest.partition("-cap")
-    if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
-            hold is not None and base != "ours-mq"):
-        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-host<GB>]"
-                         f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
-    if ours_only and base == "stock":
-        raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
-    if mq_only and base != "ours-mq":
-        raise ValueError(f"unknown arm {name!r}: {mq_only} is an option of the multi-queue scheduler (ours-mq)")
-    return base, int(cap) if cap else None, drain
-
-
-def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tuple[int, list[str]]:
-    """An arm's token slots (`--max-total-tokens`) and its own flags. Stock arms give their slot buffers' share of
-    `--pool-tokens` up, at their own cap; ours keep every slot. Raises ValueError for an unknown name or a cap whose
-    buffers leave a stock arm no KV."""
-    base, cap, drain = parse_arm(name)
-    cap = args.max_loras_per_batch if cap is None else cap
-    extra = ["--max-loras-per-batch", str(cap)]
-    tokens = args.pool_tokens
-    if base == "stock":
-        tokens -= stock_buffer_tokens(workload, cap, max_rank)
-        if tokens <= 0:
-            raise ValueError(f"{name}: SGLang's slot buffers for {cap} adapters of rank {max_rank} take "
-                             f"{args.pool_tokens - tokens} token slots, more than --pool-tokens {args.pool_tokens}")
-    else:
-        extra += ["--radix-cache-backend", "multilora", "--multilora-eviction-policy", args.policy]
-    if base == "ours-mq":
-        extra += ["--multilora-scheduler", "multiqueue", "--multilora-ttft-slo-s", f"{args.slo_s:g}"]
-        hold = split_hold(name)[1]
-        if hold is not None:
-            extra += ["--multilora-memory-hold-share", f"{hold:g}"]
-        if hold_mode(name) == "backfill":
-            extra += ["--multilora-hold-backfill"]
-        if overdue_s(name) is not None:
-            extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
-        if room_share(name) is not None:
-            extra += ["--multilora-room-squash-share", f"{room_share(name):g}"]
-        if protects_queued_kv(name):
-            extra += ["--multilora-protect-queued-kv"]
-    if no_kv_moves(name):
-        extra += ["--multilora-disable-kv-moves"]
-    if host_gb(name) is not None:
-        extra += ["--multilora-host-kv-gb", f"{host_gb(name):g}"]
-    if drain:
-        extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
-    return tokens, extra
-
-
-def flush(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=60)
-
-
-def summarize(results) -> dict:
-    ok = [r for r in results if r.error is None and r.ttft_s is not None]
-    ttft = sorted(r.ttft_s for r in ok)
-    if not ttft:
-        return {"num_ok": 0, "num_failed": len(results)}
-
-    def pct(p):
-        return nearest_rank(ttft, p)
-
-    return {"num_ok": len(ok), "num_failed": len(results) - len(ok), "mean_ttft_s": statistics.fmean(ttft),
-            "p50_ttft_s": pct(50), "p99_ttft_s": pct(99),
-            "mean_e2e_s": statistics.fmean(r.e2e_s for r in ok),
-            "cached_token_share": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))}
-
-
-def workload_from_args(args: argparse.Namespace) -> tuple[str, object, tuple[int, ...], dict]:
-    """The embedded model's path and the workload that --workload, --num-adapters, --ranks, --param and --seed
-    name, with its ranks and parameters."""
-    from sgl_multilora.embedded import ensure_embedded_model
-
-    model = str(ensure_embedded_model())
-    ranks = tuple(int(r) for r in args.ranks.split(","))
-    params = {"num_adapters": args.num_adapters, "ranks": ranks}
-    for item in args.param:
-        key, value = item.split("=", 1)
-        params[key] = json.loads(value)
-    return model, create_workload(args.workload, seed=args.seed, **params), ranks, params
 
 
 def main() -> None:
@@ -386,7 +144,7 @@ def main() -> None:
                             if mem[0].get("scheduler"):
                                 pool["scheduler_counts"] = mem[0]["scheduler"]["counts"]
                         runs.append({"arm": name, "repeat": rep, "time_scale": scale,
-                                     "rate_req_s": workload.offered_rate * scale, **summarize(results),
+                                     "rate_req_s": workload.offered_rate * scale, **replay_summary(results),
                                      "swapper": pool})
                         bar.update(1)
         device["load_avg_end"] = list(os.getloadavg())
@@ -405,19 +163,6 @@ COLORS = {"stock": "tab:gray", "ours": "tab:blue", "ours-mq": "tab:green"}
 CAP_STYLES = ("-", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
 """Line style of an arm in the plot by its (cap, hold share)'s place among its base's (the common cap first); the
 drainer draws the line thinner, with circles."""
-
-
-def ordered_arms(names) -> list[str]:
-    """The arms among `names` in report order: stock, ours, ours-mq, each at the common cap first, then by cap, the
-    drainer after each."""
-    def key(name):
-        base, cap, drain = parse_arm(name)
-        hold = split_hold(name)[1]
-        return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
-                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, protects_queued_kv(name),
-                drain)
-
-    return sorted(names, key=key)
 
 
 def plot_ttft(raw: Path, png: Path) -> Path:
@@ -462,44 +207,6 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
-
-
-def request_ttfts(raw: Path) -> dict[float, dict[str, list[float]]]:
-    """TTFTs of the request log's served requests by rate (req/s, rounded to 0.01) and arm, every repeat together."""
-    ttfts: dict[float, dict[str, list[float]]] = {}
-    for line in raw.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("error") is None and r.get("ttft_s") is not None:
-            rate = round(r["extra"]["request_rate"], 2)
-            ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
-    return ttfts
-
-
-def best_stock_pooled(by_arm: dict[str, list[float]]) -> str | None:
-    """The stock arm (any cap or drainer) with the lower mean over every repeat's requests, None when there is none."""
-    stock = [a for a in by_arm if a.startswith("stock")]
-    return min(stock, key=lambda a: statistics.fmean(by_arm[a])) if stock else None
-
-
-def pooled_lines(ttfts: dict[float, dict[str, list[float]]]) -> list[str]:
-    """Per rate, every arm's mean and P99 TTFT over every repeat's requests together, and each of ours against the
-    stock arm with the lower pooled mean. A run's P99 is one of its slowest few requests and moves with them from
-    repeat to repeat; pooled over repeats it rests on several (nearest rank of n times the repeats)."""
-    lines = []
-    for rate in sorted(ttfts):
-        by_arm = ttfts[rate]
-        best = best_stock_pooled(by_arm)
-        parts = []
-        for arm in ordered_arms(by_arm):
-            v = by_arm[arm]
-            text = f"{arm} {statistics.fmean(v):.2f} / {nearest_rank(v, 99):.2f} s (n {len(v)})"
-            if best and not arm.startswith("stock"):
-                b = by_arm[best]
-                text += (f", {statistics.fmean(v) / statistics.fmean(b):.2f}x / "
-                         f"{nearest_rank(v, 99) / nearest_rank(b, 99):.2f}x {best}'s")
-            parts.append(text)
-        lines.append(f"- {rate:.2f} req/s, mean / P99 TTFT: " + "; ".join(parts))
-    return lines
 
 
 def report(record: dict) -> str:

@@ -1,22 +1,42 @@
-"""The servers an experiment compares ("arms"): how to start each one, and SGLang's own bench_serving run.
+"""The servers an experiment compares ("arms"), named in one of two ways, for every live benchmark.
 
-Arms (DESIGN.md, "Testing without a GPU"):
-- `ours`: the plugin with `--radix-cache-backend multilora` and the adapters of `adapters_dir`.
-- `stock`: on a GPU, stock SGLang (`SGLANG_PLUGINS` set to a name no plugin has, `--enable-lora --lora-paths`);
-  on a CPU, SGLang's own prefix cache over our CPU LoRA compute and extend attention (stock SGLang's LoRA layers do
-  not reach the CPU model path), i.e. `ours` without `--radix-cache-backend multilora`.
-A JSON config names the model (default: the embedded SmolLM2-135M on CPU), the device and per-arm extra flags,
-environment or the `url` of a server that is already running. Not here: sending the workload (eval/live/driver.py).
+- A JSON config (eval/live/harness.py): it names the model (default: the embedded SmolLM2-135M on CPU), the device
+  and per-arm extra flags, environment or the `url` of a server that is already running (`load_config`,
+  `server_args`, `start_arm`). Kinds (DESIGN.md, "Testing without a GPU"):
+  - `ours`: the plugin with `--radix-cache-backend multilora` and the adapters of `adapters_dir`;
+  - `stock`: on a GPU, stock SGLang (`SGLANG_PLUGINS` set to a name no plugin has, `--enable-lora --lora-paths`);
+    on a CPU, SGLang's own prefix cache over our CPU LoRA compute and extend attention (stock SGLang's LoRA layers
+    do not reach the CPU model path), i.e. `ours` without `--radix-cache-backend multilora`.
+- An arm name (the load benchmarks under eval/bench/: unified_memory, ttft_floor, ...; `parse_arm`, `arm_spec`,
+  `ordered_arms`), every arm on the same total memory:
+  `<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`.
+  - bases: `stock` (SGLang's prefix cache and memory split: slot buffers for `--max-loras-per-batch` adapters of
+    `--max-lora-rank` over the adapters' target modules come off the same budget, `stock_buffer_tokens`, and the KV
+    pool gets the rest; on the CPU path its LoRA computes with our CPU layers from the host copies, so its adapter
+    swaps cost nothing here, which favours it), `ours` (`--radix-cache-backend multilora`, adapters and KV in one
+    pool evicted by the benchmark's `--policy`), `ours-mq` (`ours` with the multi-queue scheduler and its TTFT SLO);
+  - `-cap<N>`: `--max-loras-per-batch N` instead of the common cap (a stock arm's KV shrinks or grows with it);
+  - `-hold<X>` (ours-mq): `--multilora-memory-hold-share X` (0: never hold), `-backfill` adding
+    `--multilora-hold-backfill` (`-strict`: without it, the default);
+  - `-nomove` (ours, ours-mq): `--multilora-disable-kv-moves`; `-host<GB>` (ours, ours-mq): a host KV tier of GB
+    (`--multilora-host-kv-gb`: more memory than the other arms, which the report names);
+  - `-protect`, `-overdue<S>`, `-room<X>` (ours-mq): `--multilora-protect-queued-kv`, `--multilora-overdue-s S`,
+    `--multilora-room-squash-share X`;
+  - `-drain` (any, last): SGLang's LoRA drainer (`--lora-drain-wait-threshold`, the benchmark's `--drain-wait-s`).
+Not here: sending the workload (driver.py), SGLang's bench_serving (bench_serving.py), the adapters (adapters.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
-import sys
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
+
+from eval.live.adapters import ELEMS_PER_RANK, NUM_LAYERS, SLOT_BYTES
 from sgl_multilora.server import ServerHandle, cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,49 +152,178 @@ def start_arm(config: ExperimentConfig, arm: ArmConfig, log_dir: Path) -> Server
     )
 
 
-# sglang.benchmark imports Hugging Face `datasets` at import time for its MMMU loader only; where `datasets` is
-# not installed, this launcher puts a module in its place whose load_dataset raises, then runs bench_serving as
-# `python -m sglang.bench_serving` would.
-BENCH_LAUNCHER = """import importlib.util, runpy, sys, types
-if importlib.util.find_spec("datasets") is None:
-    def load_dataset(*args, **kwargs):
-        raise RuntimeError("this dataset needs the Hugging Face `datasets` package")
-    sys.modules["datasets"] = types.SimpleNamespace(load_dataset=load_dataset)
-sys.argv[0] = "sglang.bench_serving"
-runpy.run_module("sglang.bench_serving", run_name="__main__", alter_sys=True)
-"""
+def flush(url: str) -> None:
+    """Empties a running arm's prefix cache (between replays)."""
+    requests.post(url + "/flush_cache", timeout=60)
 
 
-def bench_serving_command(
-    url: str,
-    tokenizer: str,
-    lora_names: list[str],
-    out_file: Path,
-    num_prompts: int,
-    request_rate: float,
-    input_len: int,
-    output_len: int,
-    seed: int = 0,
-) -> list[str]:
-    """`python -m sglang.bench_serving` (through BENCH_LAUNCHER) on random token ids (no dataset download),
-    requests spread uniformly over `lora_names` (`--lora-name`; standard LoRAs only: an aLoRA request needs its
-    invocation sequence)."""
-    command = [sys.executable, "-c", BENCH_LAUNCHER, "--backend", "sglang", "--base-url", url]
-    command += ["--tokenizer", tokenizer, "--model", tokenizer, "--dataset-name", "random-ids"]
-    command += ["--random-input-len", str(input_len), "--random-output-len", str(output_len)]
-    command += ["--random-range-ratio", "1.0", "--num-prompts", str(num_prompts)]
-    command += ["--request-rate", str(request_rate), "--seed", str(seed)]
-    command += ["--output-file", str(out_file), "--disable-tqdm", "--warmup-requests", "0"]
-    if lora_names:
-        command += ["--lora-name", *lora_names]
-    return command
+def stock_buffer_tokens(workload, max_loras_per_batch: int, max_rank: int) -> int:
+    """Token slots SGLang's LoRA slot buffers take: max_loras_per_batch adapters of max_rank over the union of
+    the workload's target modules, fp32, every layer."""
+    modules = sorted({m for a in workload.adapters for m in a.target_modules})
+    per_adapter = NUM_LAYERS * max_rank * sum(ELEMS_PER_RANK[m] for m in modules) * 4
+    return -(-max_loras_per_batch * per_adapter // SLOT_BYTES)
 
 
-def run_bench_serving(command: list[str], out_file: Path, timeout_s: float = 1800) -> dict:
-    """Runs bench_serving; returns its last JSON line. Raises RuntimeError with its output's end on failure."""
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0 or not out_file.is_file():
-        raise RuntimeError(
-            f"bench_serving failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}"
-        )
-    return json.loads(out_file.read_text().strip().splitlines()[-1])
+ARM_BASES = ("stock", "ours", "ours-mq")
+
+
+def split_hold(name: str) -> tuple[str, float | None]:
+    """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
+    (name, None); `-nomove` and `-host<GB>` are dropped first. Raises ValueError for a share that is not a number
+    >= 0, or a mode without `-hold<X>`."""
+    name = _without_options(name)
+    head, sep, tail = name.partition("-hold")
+    if not sep:
+        if hold_mode(name):
+            raise ValueError(f"unknown arm {name!r}: -strict and -backfill follow -hold<X>")
+        return name, None
+    share, _, rest = tail.partition("-")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    mode, _, drain = rest.partition("-") if rest != "drain" else ("", "", "drain")
+    if value < 0 or mode not in HOLD_MODES or drain not in ("", "drain"):
+        raise ValueError(f"unknown arm {name!r}: -hold<X> takes a memory-hold share X >= 0 (0: never hold), "
+                         "then -strict (the hold admits nothing else) or -backfill, and -drain, each optional")
+    return head + ("-drain" if drain else ""), value
+
+
+HOLD_MODES = ("", "strict", "backfill")
+"""`-hold<X>-strict`: the arm's memory hold admits nothing else (the default since backfill went off by default;
+the name kept for the records that ran it with the backfill on by default); `-backfill`:
+`--multilora-hold-backfill`."""
+
+
+def hold_mode(name: str) -> str:
+    """"strict", "backfill" or "" (the server's default) for an arm name (`parse_arm` checks the name)."""
+    for mode in HOLD_MODES[1:]:
+        if f"-{mode}" in name:
+            return mode
+    return ""
+
+
+def no_kv_moves(name: str) -> bool:
+    """Whether the arm runs with `--multilora-disable-kv-moves` (`-nomove` in its name)."""
+    return "-nomove" in name
+
+
+def protects_queued_kv(name: str) -> bool:
+    """Whether the arm runs with `--multilora-protect-queued-kv` (`-protect` in its name)."""
+    return "-protect" in name
+
+
+def _positive_option(pattern: re.Pattern, name: str, usage: str) -> float | None:
+    """The number after an option of the arm name (`pattern`'s group), else None. Raises ValueError naming `usage`
+    for a value that is not a number > 0."""
+    match = pattern.search(name)
+    if match is None:
+        return None
+    value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
+    if value <= 0:
+        raise ValueError(f"unknown arm {name!r}: {usage}")
+    return value
+
+
+def host_gb(name: str) -> float | None:
+    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
+    number > 0."""
+    return _positive_option(_HOST, name, "-host<GB> takes a host tier size GB > 0")
+
+
+def overdue_s(name: str) -> float | None:
+    """The arm's `--multilora-overdue-s` (`-overdue<S>` in its name), else None. Raises ValueError for a value that
+    is not a number > 0."""
+    return _positive_option(_OVERDUE, name, "-overdue<S> takes a wait S > 0 in seconds")
+
+
+def room_share(name: str) -> float | None:
+    """The arm's `--multilora-room-squash-share` (`-room<X>` in its name), else None. Raises ValueError for a value
+    that is not a number > 0."""
+    return _positive_option(_ROOM, name, "-room<X> takes a share X > 0 of the TTFT SLO")
+
+
+_HOST = re.compile(r"-host([^-]*)")
+_OVERDUE = re.compile(r"-overdue([^-]*)")
+_ROOM = re.compile(r"-room([^-]*)")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
+
+
+def _without_options(name: str) -> str:
+    """The arm name without its `-nomove`, `-protect`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of
+    the grammar is positional)."""
+    name = _HOST.sub("", name.replace("-nomove", "", 1).replace("-protect", "", 1), count=1)
+    return _ROOM.sub("", _OVERDUE.sub("", name, count=1), count=1)
+
+
+def parse_arm(name: str) -> tuple[str, int | None, bool]:
+    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`
+    -> (base, cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-protect`
+    (`protects_queued_kv`), `-overdue<S>` (`overdue_s`) and `-room<X>` (`room_share`) only on `ours-mq`, `-nomove`
+    (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any other name."""
+    ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
+    mq_only = ("-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None
+               else "-protect" if protects_queued_kv(name) else None)
+    bare, hold = split_hold(name)
+    rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
+    base, _, cap = rest.partition("-cap")
+    if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
+            hold is not None and base != "ours-mq"):
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-host<GB>]"
+                         f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
+    if ours_only and base == "stock":
+        raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
+    if mq_only and base != "ours-mq":
+        raise ValueError(f"unknown arm {name!r}: {mq_only} is an option of the multi-queue scheduler (ours-mq)")
+    return base, int(cap) if cap else None, drain
+
+
+def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tuple[int, list[str]]:
+    """An arm's token slots (`--max-total-tokens`) and its own flags. Stock arms give their slot buffers' share of
+    `--pool-tokens` up, at their own cap; ours keep every slot. Raises ValueError for an unknown name or a cap whose
+    buffers leave a stock arm no KV."""
+    base, cap, drain = parse_arm(name)
+    cap = args.max_loras_per_batch if cap is None else cap
+    extra = ["--max-loras-per-batch", str(cap)]
+    tokens = args.pool_tokens
+    if base == "stock":
+        tokens -= stock_buffer_tokens(workload, cap, max_rank)
+        if tokens <= 0:
+            raise ValueError(f"{name}: SGLang's slot buffers for {cap} adapters of rank {max_rank} take "
+                             f"{args.pool_tokens - tokens} token slots, more than --pool-tokens {args.pool_tokens}")
+    else:
+        extra += ["--radix-cache-backend", "multilora", "--multilora-eviction-policy", args.policy]
+    if base == "ours-mq":
+        extra += ["--multilora-scheduler", "multiqueue", "--multilora-ttft-slo-s", f"{args.slo_s:g}"]
+        hold = split_hold(name)[1]
+        if hold is not None:
+            extra += ["--multilora-memory-hold-share", f"{hold:g}"]
+        if hold_mode(name) == "backfill":
+            extra += ["--multilora-hold-backfill"]
+        if overdue_s(name) is not None:
+            extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
+        if room_share(name) is not None:
+            extra += ["--multilora-room-squash-share", f"{room_share(name):g}"]
+        if protects_queued_kv(name):
+            extra += ["--multilora-protect-queued-kv"]
+    if no_kv_moves(name):
+        extra += ["--multilora-disable-kv-moves"]
+    if host_gb(name) is not None:
+        extra += ["--multilora-host-kv-gb", f"{host_gb(name):g}"]
+    if drain:
+        extra += ["--lora-drain-wait-threshold", f"{args.drain_wait_s:g}"]
+    return tokens, extra
+
+
+def ordered_arms(names) -> list[str]:
+    """The arms among `names` in report order: stock, ours, ours-mq, each at the common cap first, then by cap, the
+    drainer after each."""
+    def key(name):
+        base, cap, drain = parse_arm(name)
+        hold = split_hold(name)[1]
+        return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
+                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, protects_queued_kv(name),
+                drain)
+
+    return sorted(names, key=key)

@@ -33,13 +33,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from eval.live.arms import (
-    ExperimentConfig,
-    bench_serving_command,
-    load_config,
-    run_bench_serving,
-    start_arm,
-)
+from eval.live.arms import ExperimentConfig, load_config, start_arm
+from eval.live.bench_serving import bench_serving_command, run_bench_serving
 from eval.live.driver import ServedAdapter, ServerUnreachable, Target, replay, served_from_manifest
 from eval.live.protocol import arm_order, load_average, schedule, setup_section
 from eval.live.report import load_results, write_report

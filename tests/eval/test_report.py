@@ -200,7 +200,8 @@ def unified_memory_record(means: dict, p99s: dict, **setup) -> dict:
 def test_unified_memory_report_gives_ratios_against_every_baseline_per_repeat():
     """`eval/bench/unified_memory.py`'s report: arms in order (each -drain variant after its arm), and per-repeat
     ratios of every non-stock arm against each stock arm, figures worked out by hand."""
-    from eval.bench.unified_memory import ordered_arms, report
+    from eval.bench.unified_memory import report
+    from eval.live.arms import ordered_arms
 
     assert ordered_arms({"ours-mq", "stock-drain", "ours", "stock", "ours-drain"}) == [
         "stock", "stock-drain", "ours", "ours-drain", "ours-mq"]
@@ -225,7 +226,8 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     import argparse
     from types import SimpleNamespace
 
-    from eval.bench.unified_memory import arm_spec, ordered_arms, parse_arm, report, stock_buffer_tokens
+    from eval.bench.unified_memory import report
+    from eval.live.arms import arm_spec, ordered_arms, parse_arm, stock_buffer_tokens
 
     assert parse_arm("stock-cap6-drain") == ("stock", 6, True) and parse_arm("ours-mq") == ("ours-mq", None, False)
     for bad in ("stock-cap", "stock-cap0", "stock-capx", "ours-mq-drain-cap8", "theirs", "stock-cap6-drain-drain"):
@@ -318,7 +320,7 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
 def test_pooled_tail_takes_every_repeat_together_against_the_stock_arm_with_the_lower_pooled_mean(tmp_path):
     import json
 
-    from eval.bench.unified_memory import pooled_lines, request_ttfts
+    from eval.live.ttft import pooled_lines, request_ttfts
 
     raw = tmp_path / "x_requests.jsonl"
     rows = []
