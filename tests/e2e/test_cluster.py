@@ -1,5 +1,5 @@
 """End to end: two plugin workers behind SGLang's router `smg` with our LoRA-aware placement in front
-(`sgl_multilora.cluster.Cluster(policy="lora_aware")`: gateway.py + smg's consistent_hashing policy).
+(`sgl_multilora.gateway.launch.Cluster(policy="lora_aware")`: gateway/app.py + smg's consistent_hashing policy).
 
 Through the cluster, `/generate` with and without `lora_path` returns the greedy tokens a worker returns directly;
 requests of one (adapter, prefix) land on one worker, distinct prompts reach both, and the gateway's choice is the

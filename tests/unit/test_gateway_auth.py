@@ -1,4 +1,4 @@
-"""The gateway's keys (`cluster/gateway.py`): which key a path wants and how a presented one is checked, as SGLang's
+"""The gateway's keys (`gateway/app.py`): which key a path wants and how a presented one is checked, as SGLang's
 own servers decide (`sglang.srt.utils.auth.decide_request_auth` is the oracle for the paths both have)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How the gateway moves a request's KV (`cluster/moves.py` `transfer_kv`), against fake workers on real HTTP: the
+"""How the gateway moves a request's KV (`gateway/moves.py` `transfer_kv`), against fake workers on real HTTP: the
 destination pulls the export from the source itself (worker to worker, the gateway sending only the request), and
 when that fails the gateway relays the bytes; either way the destination's answer and the byte count are the same.
 The real routes run end to end in tests/e2e/test_cluster.py."""

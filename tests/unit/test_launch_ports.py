@@ -1,4 +1,4 @@
-"""The cluster launcher's ports (`cluster/launch.py`): every process gets its own, and a front (router, gateway)
+"""The cluster launcher's ports (`gateway/launch.py`): every process gets its own, and a front (router, gateway)
 whose port a worker took meanwhile starts again on new ones, unless the operator chose it."""
 
 from __future__ import annotations

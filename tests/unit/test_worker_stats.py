@@ -1,5 +1,5 @@
 """What the cluster's gateway reads from a worker's `/multilora/stats` (sgl_multilora/gateway/moves.py,
-`worker_memory`): the KV token slots `--balancer mell` packs (gateway.py, `_kv_capacity`) and the KV bytes per
+`worker_memory`): the KV token slots `--balancer mell` packs (app.py, `_kv_capacity`) and the KV bytes per
 token and measured prefill seconds per token a move's plan weighs (moves.py, `plan_move`), on answers shaped as
 patches/stats.py builds them; and how long a read serves moves."""
 
