@@ -1,7 +1,9 @@
 """Every repeat's requests pooled, from any live benchmark's request log (`<out>_requests.jsonl`): per rate and
 arm, the mean and P99 TTFT over all repeats together, and each arm against a baseline arm. A run's own P99 over
-60-90 requests is its slowest one or two; pooled over the repeats it rests on several. Not here: the per-repeat
-figures and their spread (each benchmark's own report).
+60-90 requests is its slowest one or two; pooled over the repeats it rests on several. Unlike
+`eval/live/ttft.pooled_lines` (the unified-memory benchmark's, against the better stock arm), any arm names can be
+the baseline. Not here: reading the log (`eval/live/ttft.request_ttfts`), the per-repeat figures and their spread
+(each benchmark's own report).
 
 Usage: .venv/bin/python -m eval.bench.pooled LOG [LOG ...] [--baseline fcfs]
        (the baseline is the arm, or the lowest pooled mean among the arms, whose name starts with it)
@@ -10,22 +12,11 @@ Usage: .venv/bin/python -m eval.bench.pooled LOG [LOG ...] [--baseline fcfs]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from eval.bench.results import nearest_rank
-
-
-def request_ttfts(log: Path) -> dict[float, dict[str, list[float]]]:
-    """TTFTs of the log's served requests by rate (req/s, rounded to 0.01) and arm, every repeat together."""
-    ttfts: dict[float, dict[str, list[float]]] = {}
-    for line in log.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("error") is None and r.get("ttft_s") is not None:
-            rate = round(r["extra"]["request_rate"], 2)
-            ttfts.setdefault(rate, {}).setdefault(r["arm"], []).append(r["ttft_s"])
-    return ttfts
+from eval.live.ttft import request_ttfts
 
 
 def pooled_lines(ttfts: dict[float, dict[str, list[float]]], baseline: str) -> list[str]:
