@@ -69,27 +69,14 @@ class MultiLoRAArgs:
     requeue_s: float = 300.0
     # multiqueue: the TTFT SLO in the quota rule Tok_min >= S D (1/SLO + lambda) (seconds).
     ttft_slo_s: float = 5.0
-    # multiqueue: a request queued this long goes before every queue, oldest first (seconds; 0: never).
-    overdue_s: float = 0.0
     # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
     # gets one by a slot squash, whatever the prediction says.
     slot_squash_share: float = 0.5
     # multiqueue with --max-loras-per-batch: a request is retracted by slot squashes at most this often (0: never).
     max_slot_squashes: int = 1
-    # multiqueue with --max-loras-per-batch: a request that has waited this share of the TTFT SLO for an adapter slot
-    # starts a slot drain (0: never, the default: see --help).
-    slot_drain_share: float = 0.0
     # multiqueue with the unified pool: a request whose adapter has not fitted for this share of the TTFT SLO holds
     # admission until it does (0: never).
     memory_hold_share: float = 0.5
-    # multiqueue: a request with no token yet that has waited this share of the TTFT SLO for KV room gets a room
-    # squash (running decodes retracted, their KV kept as cache; 0: never).
-    room_squash_share: float = 0.0
-    # multiqueue with the unified pool: while requests run, the plan's budget leaves out the cached KV that waiting
-    # requests' prefixes match, so admitting one request never evicts another's history.
-    protect_queued_kv: bool = False
-    # The memory hold also admits what fits the room the held request will not need (backfill).
-    hold_backfill: bool = False
     # Host tier for KV the pool evicts, in GB (1e9 bytes, as SGLang's --hicache-size): evicted KV is written there
     # and copied back instead of recomputed; 0 turns it off. Needs the unified pool.
     host_kv_gb: float = 0.0
@@ -323,15 +310,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="multiqueue: the time-to-first-token SLO the per-queue token quotas are sized for.",
     )
     group.add_argument(
-        "--multilora-overdue-s",
-        type=_non_negative_float,
-        default=MultiLoRAArgs.overdue_s,
-        metavar="S",
-        help="multiqueue: a request waiting S seconds goes before every queue, oldest first, and holds back "
-        "younger requests until it fits; bounds the longest wait at the cost of FCFS order once most requests "
-        "are that late (0: never, the published algorithm).",
-    )
-    group.add_argument(
         "--multilora-slot-squash-share",
         type=_fraction,
         default=MultiLoRAArgs.slot_squash_share,
@@ -351,18 +329,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "request retracted once; each retraction costs that request a recompute of what it had.",
     )
     group.add_argument(
-        "--multilora-slot-drain-share",
-        type=_non_negative_float,
-        default=MultiLoRAArgs.slot_drain_share,
-        metavar="SHARE",
-        help="multiqueue: once a request has waited this share of --multilora-ttft-slo-s for one of "
-        "--max-loras-per-batch adapter slots, the running adapter whose drain delays the fewest request-seconds (its "
-        "predicted time to finish, weighed by its queued and arriving requests) takes no new request until its last "
-        "one ends, and the freed slot goes to that request (as SGLang's --lora-drain-wait-threshold "
-        "does); it serves what no slot squash does, such as a retracted request resuming. 0 (the default): never; "
-        "1 bounds a retracted request's wait, at the cost of the drained adapter's new requests' first tokens.",
-    )
-    group.add_argument(
         "--multilora-memory-hold-share",
         type=_non_negative_float,
         default=MultiLoRAArgs.memory_hold_share,
@@ -371,35 +337,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "evicting every idle adapter) for this share of --multilora-ttft-slo-s, no other request is admitted until "
         "it is, so that what the running requests free goes to its adapter rather than to other queues' requests. "
         "0: never (the published algorithm, under which a steady stream into another queue can keep it out).",
-    )
-    group.add_argument(
-        "--multilora-room-squash-share",
-        type=_non_negative_float,
-        default=MultiLoRAArgs.room_squash_share,
-        metavar="SHARE",
-        help="multiqueue: once the oldest waiting request has waited this share of --multilora-ttft-slo-s and the "
-        "KV room it needs would not come from running requests ending within the SLO, the running decodes that "
-        "would hold their room longest are retracted (their KV kept as cache, so resuming recomputes little unless "
-        "it was evicted) and it goes in next. Trades those requests' end-to-end time for its first token. "
-        "0 (the default): never.",
-    )
-    group.add_argument(
-        "--multilora-hold-backfill",
-        action="store_true",
-        default=MultiLoRAArgs.hold_backfill,
-        help="multiqueue with the unified pool: during a memory hold, requests on an adapter (or the base model) "
-        "that a running request uses still go in while the room left once the running requests drain covers the "
-        "held request, its adapter and their locked prefixes (backfill). Off by default: the hold admits nothing "
-        "else.",
-    )
-    group.add_argument(
-        "--multilora-protect-queued-kv",
-        action="store_true",
-        default=MultiLoRAArgs.protect_queued_kv,
-        help="multiqueue with the unified pool: while requests run, the token budget an admission pass plans with "
-        "leaves out the cached KV that waiting requests' prefixes match (their histories), so that admitting one "
-        "request never evicts what another queued request would reuse; the room comes from running requests ending "
-        "instead. Off by default.",
     )
     group.add_argument(
         "--multilora-lora-ops",

@@ -135,8 +135,7 @@ class Swapper:
     def set_waiting(self, keys: Callable[[], Iterable[MatchKey]] | None) -> None:
         """The waiting queue's tree keys (at most WANTED_KV_SCAN of them), given anew before each admission pass:
         the KV their prefixes match is evicted after every other candidate. `keys` is called, and its prefixes
-        matched, only when an eviction or `wanted_kv_slots` first needs them, at most once per call of
-        `set_waiting`."""
+        matched, only when an eviction first needs them, at most once per call of `set_waiting`."""
         self._waiting_keys, self._wanted_kv = keys, None
 
     def _wanted_kv_nodes(self) -> dict[int, Node]:
@@ -144,13 +143,6 @@ class Swapper:
             keys = self._waiting_keys
             self._wanted_kv = {} if keys is None else self.tree.prefix_nodes(keys())
         return self._wanted_kv
-
-    def wanted_kv_slots(self) -> int:
-        """Slots of the unlocked KV that the waiting keys' prefixes match (what `make_room` evicts last): the cached
-        room an admission of other requests would take from them. Shares the match with the eviction order (one
-        tree walk per key per `set_waiting`); locks and evictions since are read off the nodes."""
-        return sum(len(node.key) for node in self._wanted_kv_nodes().values()
-                   if node.lock_ref == 0 and not node.is_evicted)
 
     # ---- busy: evict -----------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ the TTFT SLO (median and spread over repeats); ratios multiqueue / fcfs per repe
 Baselines at their best: `fcfs-drain` is fcfs with SGLang's LoRA drainer (`--lora-drain-wait-threshold` at half the
 SLO: an adapter waiting that long for a batch slot stops new admissions of the running adapter closest to done),
 the stock answer to the per-batch adapter cap that the multi-queue's slot squash also answers. Optional arm
-`multiqueue-overdue`: multiqueue with `--multilora-overdue-s` at half the SLO (overdue requests first). Optional arm
 `multiqueue-squash25`: multiqueue with `--multilora-slot-squash-share 0.25` (a slot squash after a quarter of the SLO
 spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
 `--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice). Optional
@@ -101,7 +100,6 @@ def main() -> None:
         save(args.out, merged, report)
         return
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
-             "multiqueue-overdue": [*ARMS["multiqueue"], "--multilora-overdue-s", f"{args.slo_s / 2:g}"],
              "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
              **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)},
              "multiqueue-eager": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.1",
@@ -232,8 +230,7 @@ def report(record: dict) -> str:
         whole = "the last of the merged runs" if record.get("merged_from") else "the whole run"
         lines += ["", f"{ours_arms[0]}'s scheduler over {whole}: slot squashes {counts.get('slot_squashes')} "
                   f"({counts.get('slot_squashed')} requests retracted), memory squashes {counts.get('squashes')}, "
-                  f"bypasses {counts.get('bypasses')}, overdue admissions {counts.get('overdue')}, "
-                  f"predictor {stats.get('predictor')}."]
+                  f"bypasses {counts.get('bypasses')}, predictor {stats.get('predictor')}."]
     return "\n".join(lines) + "\n"
 
 

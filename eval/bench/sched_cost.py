@@ -16,8 +16,8 @@ timed separately.
 With `--max-loras-per-batch N` the scan counts SGLang's per-batch adapter slots too (most of
 the waiting requests then have none and are passed over).
 
-Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000] [--overdue-s 2.5]
-       [--max-loras-per-batch 8] [--out eval/results/sched_cost/sched_cost.jsonl]
+Usage: .venv/bin/python -m eval.bench.sched_cost [--iterations 5000] [--max-loras-per-batch 8]
+       [--out eval/results/sched_cost/sched_cost.jsonl]
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import platform
 import random
@@ -99,9 +98,7 @@ def summary_us(ns: list[int]) -> dict[str, float]:
 
 
 def run(args) -> dict:
-    cfg = SchedConfig(total_tokens=args.total_tokens, ttft_slo_s=5.0,
-                      overdue_s=args.overdue_s if args.overdue_s > 0 else math.inf,
-                      slot_drain_share=args.slot_drain_share if args.slot_drain_share > 0 else math.inf)
+    cfg = SchedConfig(total_tokens=args.total_tokens, ttft_slo_s=5.0)
     sched = MultiQueueScheduler(cfg)
     work, cache = Workload(args), AdapterCache(args.resident, args.load_iters)
     true_out: dict[str, int] = {}
@@ -177,10 +174,6 @@ def main(argv=None) -> None:
     parser.add_argument("--finish-prob", type=float, default=0.05)
     parser.add_argument("--dt-s", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overdue-s", type=float, default=0.0,
-                        help="SchedConfig.overdue_s (--multilora-overdue-s); 0: off")
-    parser.add_argument("--slot-drain-share", type=float, default=0.0,
-                        help="SchedConfig.slot_drain_share (--multilora-slot-drain-share, with a cap); 0: off")
     parser.add_argument("--max-loras-per-batch", type=int, default=0,
                         help="SGLang's cap on distinct adapters per batch (0: none); the running set is built "
                              "outside the timed call")

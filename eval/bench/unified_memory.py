@@ -3,7 +3,7 @@
 Every arm serves the same random PEFT adapters (eval/live/adapters.py), named and ranked as the workload's, on the
 embedded model. `--arms` names them in the arm grammar of eval/live/arms.py: `stock`, `ours`, `ours-mq` (the
 multi-queue scheduler on top, TTFT SLO `--slo-s`) and their options (`-cap<N>`, `-hold<X>`, `-nomove`, `-host<GB>`,
-`-drain`, ...). Each side is compared at its own best setting: the headline takes, at each rate, the stock arm with
+`-drain`). Each side is compared at its own best setting: the headline takes, at each rate, the stock arm with
 the lower median mean TTFT, whatever its cap or drainer.
 Every arm's server starts once and stays up (idle ones sleep); every repeat replays the workload at every rate on each arm,
 arms alternating in order, each replay on a flushed cache. A repeat of one arm at one rate gives mean / P50 / P99
@@ -37,7 +37,6 @@ from eval.live.adapters import CACHE, ELEMS_PER_RANK, NUM_LAYERS, REPO, make_ada
 from eval.live.arms import (
     arm_spec,
     flush,
-    hold_mode,
     host_gb,
     no_kv_moves,
     ordered_arms,
@@ -178,7 +177,7 @@ def plot_ttft(raw: Path, png: Path) -> Path:
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     def setting(arm: str) -> tuple:  # an arm's line style follows its cap (0: the common one) and memory hold
-        return parse_arm(arm)[1] or 0, split_hold(arm)[1], hold_mode(arm), no_kv_moves(arm), host_gb(arm)
+        return parse_arm(arm)[1] or 0, split_hold(arm)[1], no_kv_moves(arm), host_gb(arm)
 
     caps: dict[str, list] = {}  # base -> its arms' settings in order
     for arm in ordered_arms({a for by_arm in ttfts.values() for a in by_arm}):

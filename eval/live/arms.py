@@ -9,19 +9,16 @@
     do not reach the CPU model path), i.e. `ours` without `--radix-cache-backend multilora`.
 - An arm name (the load benchmarks under eval/bench/: unified_memory, ttft_floor, ...; `parse_arm`, `arm_spec`,
   `ordered_arms`), every arm on the same total memory:
-  `<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`.
+  `<base>[-cap<N>][-hold<X>][-nomove][-host<GB>][-drain]`.
   - bases: `stock` (SGLang's prefix cache and memory split: slot buffers for `--max-loras-per-batch` adapters of
     `--max-lora-rank` over the adapters' target modules come off the same budget, `stock_buffer_tokens`, and the KV
     pool gets the rest; on the CPU path its LoRA computes with our CPU layers from the host copies, so its adapter
     swaps cost nothing here, which favours it), `ours` (`--radix-cache-backend multilora`, adapters and KV in one
     pool evicted by the benchmark's `--policy`), `ours-mq` (`ours` with the multi-queue scheduler and its TTFT SLO);
   - `-cap<N>`: `--max-loras-per-batch N` instead of the common cap (a stock arm's KV shrinks or grows with it);
-  - `-hold<X>` (ours-mq): `--multilora-memory-hold-share X` (0: never hold), `-backfill` adding
-    `--multilora-hold-backfill` (`-strict`: without it, the default);
+  - `-hold<X>` (ours-mq): `--multilora-memory-hold-share X` (0: never hold);
   - `-nomove` (ours, ours-mq): `--multilora-disable-kv-moves`; `-host<GB>` (ours, ours-mq): a host KV tier of GB
     (`--multilora-host-kv-gb`: more memory than the other arms, which the report names);
-  - `-protect`, `-overdue<S>`, `-room<X>` (ours-mq): `--multilora-protect-queued-kv`, `--multilora-overdue-s S`,
-    `--multilora-room-squash-share X`;
   - `-drain` (any, last): SGLang's LoRA drainer (`--lora-drain-wait-threshold`, the benchmark's `--drain-wait-s`).
 Not here: sending the workload (driver.py), SGLang's bench_serving (bench_serving.py), the adapters (adapters.py).
 """
@@ -169,39 +166,18 @@ ARM_BASES = ("stock", "ours", "ours-mq")
 
 
 def split_hold(name: str) -> tuple[str, float | None]:
-    """`<...>-hold<X>[-strict|-backfill][-drain]` -> (the name without `-hold<X>[-strict|-backfill]`, X), else
-    (name, None); `-nomove` and `-host<GB>` are dropped first. Raises ValueError for a share that is not a number
-    >= 0, or a mode without `-hold<X>`."""
+    """`<...>-hold<X>[-drain]` -> (the name without `-hold<X>`, X), else (name, None); `-nomove` and `-host<GB>` are
+    dropped first. Raises ValueError for a share that is not a number >= 0."""
     name = _without_options(name)
     head, sep, tail = name.partition("-hold")
     if not sep:
-        if hold_mode(name):
-            raise ValueError(f"unknown arm {name!r}: -strict and -backfill follow -hold<X>")
         return name, None
     share, _, rest = tail.partition("-")
-    try:
-        value = float(share)
-    except ValueError:
-        value = -1.0
-    mode, _, drain = rest.partition("-") if rest != "drain" else ("", "", "drain")
-    if value < 0 or mode not in HOLD_MODES or drain not in ("", "drain"):
+    value = float(share) if _NUMBER.fullmatch(share) else -1.0
+    if value < 0 or rest not in ("", "drain"):
         raise ValueError(f"unknown arm {name!r}: -hold<X> takes a memory-hold share X >= 0 (0: never hold), "
-                         "then -strict (the hold admits nothing else) or -backfill, and -drain, each optional")
-    return head + ("-drain" if drain else ""), value
-
-
-HOLD_MODES = ("", "strict", "backfill")
-"""`-hold<X>-strict`: the arm's memory hold admits nothing else (the default since backfill went off by default;
-the name kept for the records that ran it with the backfill on by default); `-backfill`:
-`--multilora-hold-backfill`."""
-
-
-def hold_mode(name: str) -> str:
-    """"strict", "backfill" or "" (the server's default) for an arm name (`parse_arm` checks the name)."""
-    for mode in HOLD_MODES[1:]:
-        if f"-{mode}" in name:
-            return mode
-    return ""
+                         "then -drain, optional")
+    return head + ("-drain" if rest else ""), value
 
 
 def no_kv_moves(name: str) -> bool:
@@ -209,73 +185,41 @@ def no_kv_moves(name: str) -> bool:
     return "-nomove" in name
 
 
-def protects_queued_kv(name: str) -> bool:
-    """Whether the arm runs with `--multilora-protect-queued-kv` (`-protect` in its name)."""
-    return "-protect" in name
-
-
-def _positive_option(pattern: re.Pattern, name: str, usage: str) -> float | None:
-    """The number after an option of the arm name (`pattern`'s group), else None. Raises ValueError naming `usage`
-    for a value that is not a number > 0."""
-    match = pattern.search(name)
+def host_gb(name: str) -> float | None:
+    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
+    number > 0."""
+    match = _HOST.search(name)
     if match is None:
         return None
     value = float(match.group(1)) if _NUMBER.fullmatch(match.group(1)) else 0.0
     if value <= 0:
-        raise ValueError(f"unknown arm {name!r}: {usage}")
+        raise ValueError(f"unknown arm {name!r}: -host<GB> takes a host tier size GB > 0")
     return value
 
 
-def host_gb(name: str) -> float | None:
-    """The arm's host tier in GB (`-host<GB>` in its name), else None. Raises ValueError for a size that is not a
-    number > 0."""
-    return _positive_option(_HOST, name, "-host<GB> takes a host tier size GB > 0")
-
-
-def overdue_s(name: str) -> float | None:
-    """The arm's `--multilora-overdue-s` (`-overdue<S>` in its name), else None. Raises ValueError for a value that
-    is not a number > 0."""
-    return _positive_option(_OVERDUE, name, "-overdue<S> takes a wait S > 0 in seconds")
-
-
-def room_share(name: str) -> float | None:
-    """The arm's `--multilora-room-squash-share` (`-room<X>` in its name), else None. Raises ValueError for a value
-    that is not a number > 0."""
-    return _positive_option(_ROOM, name, "-room<X> takes a share X > 0 of the TTFT SLO")
-
-
 _HOST = re.compile(r"-host([^-]*)")
-_OVERDUE = re.compile(r"-overdue([^-]*)")
-_ROOM = re.compile(r"-room([^-]*)")
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?")
 
 
 def _without_options(name: str) -> str:
-    """The arm name without its `-nomove`, `-protect`, `-host<GB>`, `-overdue<S>` and `-room<X>` parts (the rest of
-    the grammar is positional)."""
-    name = _HOST.sub("", name.replace("-nomove", "", 1).replace("-protect", "", 1), count=1)
-    return _ROOM.sub("", _OVERDUE.sub("", name, count=1), count=1)
+    """The arm name without its `-nomove` and `-host<GB>` parts (the rest of the grammar is positional)."""
+    return _HOST.sub("", name.replace("-nomove", "", 1), count=1)
 
 
 def parse_arm(name: str) -> tuple[str, int | None, bool]:
-    """`<base>[-cap<N>][-hold<X>[-strict|-backfill]][-nomove][-protect][-host<GB>][-overdue<S>][-room<X>][-drain]`
-    -> (base, cap or None for the common one, drainer on); `-hold<X>` (`split_hold`), `-protect`
-    (`protects_queued_kv`), `-overdue<S>` (`overdue_s`) and `-room<X>` (`room_share`) only on `ours-mq`, `-nomove`
-    (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on `stock`. Raises ValueError for any other name."""
+    """`<base>[-cap<N>][-hold<X>][-nomove][-host<GB>][-drain]` -> (base, cap or None for the common one, drainer
+    on); `-hold<X>` (`split_hold`) only on `ours-mq`, `-nomove` (`no_kv_moves`) and `-host<GB>` (`host_gb`) not on
+    `stock`. Raises ValueError for any other name."""
     ours_only = "-nomove" if no_kv_moves(name) else "-host<GB>" if host_gb(name) is not None else None
-    mq_only = ("-overdue<S>" if overdue_s(name) is not None else "-room<X>" if room_share(name) is not None
-               else "-protect" if protects_queued_kv(name) else None)
     bare, hold = split_hold(name)
     rest, drain = (bare[:-len("-drain")], True) if bare.endswith("-drain") else (bare, False)
     base, _, cap = rest.partition("-cap")
     if base not in ARM_BASES or (cap and not (cap.isdigit() and int(cap) >= 1)) or rest.endswith("-cap") or (
             hold is not None and base != "ours-mq"):
-        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>[-<mode>]][-nomove][-host<GB>]"
-                         f"[-drain], base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
+        raise ValueError(f"unknown arm {name!r}: expected <base>[-cap<N>][-hold<X>][-nomove][-host<GB>][-drain], "
+                         f"base one of {', '.join(ARM_BASES)}, -hold<X> only on ours-mq")
     if ours_only and base == "stock":
         raise ValueError(f"unknown arm {name!r}: {ours_only} is an option of our arms, not of stock SGLang")
-    if mq_only and base != "ours-mq":
-        raise ValueError(f"unknown arm {name!r}: {mq_only} is an option of the multi-queue scheduler (ours-mq)")
     return base, int(cap) if cap else None, drain
 
 
@@ -299,14 +243,6 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
         hold = split_hold(name)[1]
         if hold is not None:
             extra += ["--multilora-memory-hold-share", f"{hold:g}"]
-        if hold_mode(name) == "backfill":
-            extra += ["--multilora-hold-backfill"]
-        if overdue_s(name) is not None:
-            extra += ["--multilora-overdue-s", f"{overdue_s(name):g}"]
-        if room_share(name) is not None:
-            extra += ["--multilora-room-squash-share", f"{room_share(name):g}"]
-        if protects_queued_kv(name):
-            extra += ["--multilora-protect-queued-kv"]
     if no_kv_moves(name):
         extra += ["--multilora-disable-kv-moves"]
     if host_gb(name) is not None:
@@ -322,8 +258,7 @@ def ordered_arms(names) -> list[str]:
     def key(name):
         base, cap, drain = parse_arm(name)
         hold = split_hold(name)[1]
-        return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, hold_mode(name), no_kv_moves(name),
-                host_gb(name) or 0.0, overdue_s(name) or 0.0, room_share(name) or 0.0, protects_queued_kv(name),
-                drain)
+        return (ARM_BASES.index(base), cap or 0, hold is not None, hold or 0.0, no_kv_moves(name),
+                host_gb(name) or 0.0, drain)
 
     return sorted(names, key=key)

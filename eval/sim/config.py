@@ -30,4 +30,3 @@ class SimConfig:
     ttft_slo_s: float = 5.0  # the TTFT SLO the multiqueue scheduler's quotas aim at
     slot_squash_share: float = SchedConfig.slot_squash_share  # multiqueue with a cap: --multilora-slot-squash-share
     max_slot_squashes: int = SchedConfig.max_slot_squashes  # multiqueue with a cap: --multilora-max-slot-squashes
-    slot_drain_share: float = SchedConfig.slot_drain_share  # multiqueue with a cap: --multilora-slot-drain-share

@@ -47,7 +47,7 @@ from eval.sim.memory import pool_bytes
 from eval.sim.sched_report import markdown, slo_from_light
 from eval.workloads.heterogeneous import HeterogeneousParams, generate
 
-POLICIES = ("fcfs", "lpm", "multiqueue", "multiqueue-overdue")
+POLICIES = ("fcfs", "lpm", "multiqueue")
 DEFAULT_RATES = (2.0, 6.0, 10.0, 13.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 25.0, 30.0)
 
 
@@ -100,7 +100,7 @@ def run_one(rate: float, seed: int, policy: str, args: argparse.Namespace, slo_s
     w = generate(params, seed)
     config = SimConfig(admission=policy, ttft_slo_s=slo_s or SimConfig.ttft_slo_s,
                        max_loras_per_batch=args.max_loras_per_batch, slot_squash_share=args.slot_squash_share,
-                       max_slot_squashes=args.max_slot_squashes, slot_drain_share=args.slot_drain_share)
+                       max_slot_squashes=args.max_slot_squashes)
     start = time.perf_counter()
     run = simulate(args.system, w.adapters, w.requests, experiment="sim_chameleon", lat=lat, config=config)
     wall = time.perf_counter() - start
@@ -147,8 +147,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="multiqueue's --multilora-slot-squash-share (with a cap)")
     ap.add_argument("--max-slot-squashes", type=int, default=SimConfig.max_slot_squashes,
                     help="multiqueue's --multilora-max-slot-squashes (with a cap)")
-    ap.add_argument("--slot-drain-share", type=float, default=SimConfig.slot_drain_share,
-                    help="multiqueue's --multilora-slot-drain-share (with a cap; 0: no slot drain)")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
                     help=f"comma-separated, fcfs first (default: {','.join(POLICIES)})")
     ap.add_argument("--lora-cost", choices=LORA_COSTS, default="measured", help=LORA_COST_HELP)
@@ -160,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--policies: fcfs first, then any of {', '.join(POLICIES[1:])} (got {','.join(args.policies)})")
     if args.max_slot_squashes < 0:
         ap.error(f"--max-slot-squashes: a non-negative integer (got {args.max_slot_squashes})")
-    if not args.slot_drain_share >= 0:
-        ap.error(f"--slot-drain-share: a number >= 0 (got {args.slot_drain_share})")
     out = Path(args.out)
     if args.markdown_only:
         with open(f"{out}.jsonl") as f:

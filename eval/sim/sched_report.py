@@ -13,10 +13,8 @@ from collections import defaultdict
 import numpy as np
 
 SLO_FACTOR = 5.0  # Chameleon: SLO = 5 x the mean request execution time on a lightly loaded system
-POLICIES = ("fcfs", "lpm", "multiqueue", "multiqueue-overdue")
+POLICIES = ("fcfs", "lpm", "multiqueue")
 OURS, BASE = "multiqueue", "fcfs"
-OVERDUE = "multiqueue-overdue"
-"""The same scheduler with --multilora-overdue-s at half the SLO (optional: older record files lack it)."""
 # Chameleon vs S-LoRA (seed-chameleon.md 7.2; Llama-7B on an A40), cited for comparison only.
 PAPER_P99_REDUCTION = 0.807
 PAPER_P50_REDUCTION = 0.481
@@ -147,14 +145,6 @@ def headline(g: dict, rates: list[float], slo_s: float) -> list[str]:
                    f"P50 TTFT {p50[0]:.3f} ({p50[1]:.2f}-{p50[2]:.2f}; goal <= {GOAL_P50_RATIO}: "
                    f"{_verdict(p50[0] <= GOAL_P50_RATIO)}). Chameleon vs S-LoRA: P99 "
                    f"{1 - PAPER_P99_REDUCTION:.2f}, P50 {1 - PAPER_P50_REDUCTION:.2f}.")
-    if any(k[1] == OVERDUE for k in g):
-        for rate in at + [r for r in rates if r > at[-1]][:1]:
-            p99, p50 = ratios(g, rate, "ttft_p99_s", OVERDUE), ratios(g, rate, "ttft_p50_s", OVERDUE)
-            out.append(f"- With overdue requests first (`{OVERDUE}`: `--multilora-overdue-s` at half the SLO), at "
-                       f"{rate:g} req/s: P99 TTFT {p99[0]:.3f} x fcfs's ({p99[1]:.2f}-{p99[2]:.2f}), P50 "
-                       f"{p50[0]:.3f} ({p50[1]:.2f}-{p50[2]:.2f}); within the SLO {_share3(g, rate, OVERDUE)} of "
-                       f"requests, against {_share3(g, rate, OURS)} for multiqueue and {_share3(g, rate, BASE)} for "
-                       "fcfs.")
     gain = None if ours_rate is None else ours_rate / base_rate
     gain_i = None if ours_cross is None or base_cross is None else ours_cross / base_cross
     out.append(f"- Max rate under the SLO (swept grid / interpolated crossing): fcfs {_rate(base_rate)} / "
@@ -162,14 +152,7 @@ def headline(g: dict, rates: list[float], slo_s: float) -> list[str]:
                f"{_fmt(ours_cross)} req/s: multiqueue / fcfs {_fmt(gain)} on the grid, {_fmt(gain_i)} "
                f"interpolated (goal >= {GOAL_RATE_RATIO}: {_verdict((gain or 0) >= GOAL_RATE_RATIO)}; "
                f"Chameleon {PAPER_THROUGHPUT}x).")
-    if any(k[1] == OVERDUE for k in g):
-        od_rate, od_cross = max_rate(g, rates, OVERDUE, slo_s)
-        out.append(f"- Max rate under the SLO with overdue requests first: {_rate(od_rate)} / {_fmt(od_cross)} req/s.")
     return out
-
-
-def _share3(g: dict, rate: float, policy: str) -> str:
-    return f"{median_of(g, rate, policy, 'within_slo'):.3f}"
 
 
 def _lpm_note(g: dict, rates: list[float]) -> str:
@@ -202,11 +185,8 @@ def _cap(setup: dict) -> str:
     if not cap:
         return ""
     share, bound = sim.get("slot_squash_share", 0.5), sim.get("max_slot_squashes", 1)  # older records: the defaults
-    drain = sim.get("slot_drain_share", 0)  # older records: before the slot drain
-    drain = 0 if drain is None or math.isinf(drain) else drain
     return (f", at most {cap} distinct adapters per batch as SGLang's `--max-loras-per-batch`; multiqueue's slot "
-            f"squash after {share:g} of the SLO, at most {bound} per request; "
-            + (f"slot drain after {drain:g} of the SLO" if drain else "no slot drain"))
+            f"squash after {share:g} of the SLO, at most {bound} per request")
 
 
 def markdown(records: list[dict], command: str) -> str:

@@ -9,8 +9,8 @@ Rules, in the order a request meets them (reference/seed-chameleon.md, 4.3 and 4
    remainder plus the spare pool), else the queue stops (the paper's strict FIFO). Exception: a
    request larger than its queue's whole quota goes in as the first admission of an idle queue
    (nothing of it running); otherwise it could never run, and it then holds more than the quota.
-2. Budget: the cost must fit what is left of the batch budget, else the queue stops (multiqueue.py
-   promotes a queue whose head keeps stopping here).
+2. Budget: the cost must fit what is left of the batch budget, else the queue stops
+   (rules/promotion.py promotes a queue whose head keeps stopping here).
 3. Residency: a request whose adapter is not resident is passed over, keeping its place, and its
    adapter is prefetched; the paper stops the queue at it instead, idling the whole queue for a
    PCIe transfer. At most `lookahead` are passed per queue and batch, so a scan stays short. If
@@ -53,7 +53,6 @@ class BatchContext:
                  prefetch: RequestPrefetch | None, slots: AdapterSlots | None = None) -> None:
         self.now, self.budget, self.slots = now, budget, slots
         self.slot_skips = 0
-        self.slot_waits_started = 0  # requests this batch first passed over for a slot
         self.not_resident = 0  # requests passed over while their adapter loads
         self._is_resident, self._prefetch = is_resident, prefetch
         self._resident: dict[str, bool] = {}
@@ -67,13 +66,10 @@ class BatchContext:
         return self._resident[adapter]
 
     def has_slot(self, r: SchedRequest) -> bool:
-        """Whether r has an adapter slot in this batch; one passed over starts its slot wait."""
+        """Whether r has an adapter slot in this batch (a request passed over counts a skip)."""
         if self.slots is None or self.slots.has_slot(r):
             return True
         self.slot_skips += 1
-        if r.slot_wait_since is None:
-            r.slot_wait_since = self.now
-            self.slot_waits_started += 1
         return False
 
     def take_slot(self, r: SchedRequest) -> None:
@@ -107,10 +103,9 @@ class BatchContext:
 class Stop:
     """Why a queue's scan admitted nothing past `rid`: "quota" (its cost over the quota left),
     "budget" (over the batch budget left), "lookahead" (too many non-resident adapters passed) or
-    "bypass" (T_wait of the memory-blocked request ahead not above its T_exec); and, for the
-    batch-wide holds of multiqueue.py, "overdue_hold" and "memory_hold" (the queue of the request
-    that holds the batch). `cost` and `limit`: the request's cost and the tokens left (0 for
-    lookahead, bypass and a memory hold)."""
+    "bypass" (T_wait of the memory-blocked request ahead not above its T_exec); and "memory_hold"
+    (rules/memory_hold.py: the queue of the request that holds the batch). `cost` and `limit`: the
+    request's cost and the tokens left (0 for lookahead, bypass and a memory hold)."""
 
     reason: str
     rid: str

@@ -1,7 +1,8 @@
 """Opportunistic adapter-memory bypass and its squash rule (reference/seed-chameleon.md, 4.4).
 
-Lives here: the T_wait predictor, the record of who bypassed whom (`BypassBook`) and the squash
-test (`squash_candidates`, pure). Not here: the admission scan that applies the bypass rule
+Lives here: the T_wait predictor, the record of who bypassed whom (`BypassBook`), the squash
+test (`squash_candidates`, pure) and its terms measured on a live engine's memory
+(`MeasuredTerms`). Not here: the admission scan that applies the bypass rule
 (admission.py) or aborting a running request (the engine does; the scheduler's `requeue` takes
 the request back).
 
@@ -22,6 +23,10 @@ Predictors (the paper does not give them), in tokens and seconds:
   infinity if all of them together do not free enough.
 - A request is squashed at most `max_squashes` times, so bypass and squash cannot alternate
   forever; a request that may not be squashed again is simply left to finish.
+A live engine measures the terms instead (`MeasuredTerms`), since it knows what each request holds:
+free = the room an admission could have now; need(R1) = R1's prompt plus what its adapter needs
+to start; footprint(R2) = the room with R2 retracted less the room now (the KV only R2 holds, the
+tree KV only its lock pins and, when no other running request uses it, its adapter).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from sgl_multilora.sched.request import SchedRequest, TimingModel
 
@@ -117,3 +123,54 @@ def squash_candidates(book: BypassBook, running: Mapping[str, SchedRequest],
             served.add(beneficiary.rid)
             free += fp(victim) - need_r1
     return out
+
+
+class RoomView(Protocol):
+    """What the measured squash asks of the engine's memory (live: the unified pool)."""
+
+    def room(self) -> int:
+        """Slots an admission could have now (free, unlocked KV, idle adapters)."""
+
+    def room_without(self, adapter: str | None, lock: object, owned_slots: int) -> int:
+        """`room()` with one running request retracted: its `lock` on a tree node (None: none) and
+        its use of `adapter` released, and its `owned_slots` freed. Changes nothing."""
+
+    def slots_to_start(self, adapter: str | None) -> int:
+        """Slots a request on `adapter` waits for beyond its own KV (0 once resident or loading)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKV:
+    """A running request's KV as the engine holds it: `allocated_len` slots allocated to it, of
+    which the first `cached_len` are the cached prefix it shares with the tree (pinned by `lock`,
+    the tree node its lock holds; None: none)."""
+
+    adapter: str | None
+    allocated_len: int
+    cached_len: int
+    lock: object = None
+
+    @property
+    def owned_slots(self) -> int:
+        """Slots only this request holds (freed when it is retracted)."""
+        return max(0, self.allocated_len - self.cached_len)
+
+
+class MeasuredTerms:
+    """The squash's free, footprint and need (module docstring) measured on `memory` at one moment:
+    pass `free`, `footprint` and `need` to `squash_candidates`. `held(rid)` describes a running
+    request's KV, None for one the engine cannot retract now (its footprint is 0: it is not
+    squashed). Valid until the engine's memory changes."""
+
+    def __init__(self, memory: RoomView, held: Callable[[str], HeldKV | None]) -> None:
+        self.memory, self.held = memory, held
+        self.free = memory.room()
+
+    def footprint(self, r: SchedRequest) -> int:
+        kv = self.held(r.rid)
+        if kv is None:
+            return 0
+        return self.memory.room_without(kv.adapter, kv.lock, kv.owned_slots) - self.free
+
+    def need(self, r: SchedRequest) -> int:
+        return r.in_len + self.memory.slots_to_start(r.adapter)

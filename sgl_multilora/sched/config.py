@@ -50,17 +50,9 @@ class SchedConfig:
     the queue goes first (the starvation bound in multiqueue.py)."""
     max_squashes: int = 1
     """A request is squashed at most this often (no livelock between bypass and squash)."""
-    overdue_s: float = math.inf
-    """A request queued this long is overdue: overdue requests go before every queue, oldest first,
-    whatever their queue's quota, and while the oldest of them does not fit the batch budget the
-    batch takes nothing else (multiqueue.py). This bounds every wait by `overdue_s` plus the FCFS
-    wait among overdue requests; the price is that past the knee, when most requests are overdue,
-    admission turns into FCFS and loses the share of requests served within the SLO that ordering
-    by size wins (measured: eval/RESULTS.md). inf (the default): never overdue,
-    Chameleon's Algorithm 1 as published."""
     slot_squash_share: float = 0.5
     """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
-    SLO for a slot is squashed for whatever the prediction says (slots.py); before that only a
+    SLO for a slot is squashed for whatever the prediction says (rules/slot_squash.py); before that only a
     predicted SLO miss fires the squash. Lower squashes sooner: shorter first-token waits, longer
     end-to-end times for the requests retracted (0.25 against 0.5 measured: eval/RESULTS.md)."""
     max_slot_squashes: int = 1
@@ -68,37 +60,17 @@ class SchedConfig:
     (its memory squashes counted too); 0: no slot squash. Each squash serves a request that has
     produced no token yet and a retracted request is never served by one, so squashes cannot
     cycle whatever the bound; a higher bound keeps victims available when every running adapter
-    holds a request squashed before (slots.py)."""
-    slot_drain_share: float = math.inf
-    """With a cap on adapters per batch, a queued request that has waited this share of the TTFT
-    SLO for an adapter slot starts a slot drain (slots.py): the running adapter whose drain delays
-    the fewest request-seconds takes no new request until its last one finishes, and the freed
-    slot is reserved for the waiting request. It bounds the wait of what no slot squash serves: a
-    retracted request resuming (its first token out), or one whose squash finds no victim, while
-    the running adapters keep receiving requests. math.inf (the default): never. Off by default
-    because, live past the knee, the requests of the drained adapters paid for it in first-token
-    time (measured: eval/RESULTS.md, decided off). Set it above
-    `slot_squash_share` so that a fresh request is squashed for first, which costs it less."""
+    holds a request squashed before (rules/slot_squash.py)."""
     memory_hold_share: float = 0.5
     """A queued request whose adapter could not be made resident even after evicting every idle
     adapter (memory-blocked), this share of the TTFT SLO ago, holds the batch: it goes first, and
     until it is admitted the batch takes nothing else while anything runs, so that the memory the
     running requests free builds up for its adapter instead of going to requests of other queues
-    (multiqueue.py). Without it, a stream into another queue that re-admits every freed token
+    (rules/memory_hold.py). Without it, a stream into another queue that re-admits every freed token
     starves the request for good: the bypass and squash rules act within one queue, and a
     promoted queue gains nothing when memory, not the budget, keeps its head out
     (tests/unit/test_sched_starvation.py). Half the SLO, as `slot_squash_share`: the rest is left
     for the drain and the prefill. math.inf: never hold (the published algorithm)."""
-    memory_hold_backfill: bool = False
-    """During a memory hold, admit what fits the room the held request will not need once the
-    requests running at the hold's start drain (multiqueue.py, backfill; only when the caller tells
-    the adapters' sizes). False (the default): the hold admits nothing else."""
-    room_squash_share: float = math.inf
-    """A queued request with no token out yet that has waited this share of the TTFT SLO, whose need exceeds
-    the room the engine could free now and whom running requests ending would not serve within the SLO, gets a
-    room squash (room.py): the running decodes that would hold their room longest are retracted, keeping their KV
-    as cache, and the next batch admits it first. Trades the victims' end-to-end time for its first token.
-    math.inf (the default): never."""
     timing: TimingModel = field(default_factory=TimingModel)
 
     def __post_init__(self) -> None:
@@ -114,12 +86,9 @@ class SchedConfig:
             "lookahead >= 0": self.lookahead >= 0,
             "max_budget_skips >= 1": self.max_budget_skips >= 1,
             "max_squashes >= 0": self.max_squashes >= 0,
-            "overdue_s > 0": self.overdue_s > 0,
             "0 <= slot_squash_share <= 1": 0 <= self.slot_squash_share <= 1,
             "max_slot_squashes >= 0": self.max_slot_squashes >= 0,
-            "slot_drain_share >= 0": self.slot_drain_share >= 0,
             "memory_hold_share >= 0": self.memory_hold_share >= 0,
-            "room_squash_share >= 0": self.room_squash_share >= 0,
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:

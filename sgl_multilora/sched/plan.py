@@ -1,8 +1,9 @@
 """A scheduling plan (normaliser, queues and cut-offs, quotas) and how it is fitted to a window of
 recent requests at each refresh.
 
-Lives here: `SchedPlan`, `fit_plan` and `single_queue_plan` (pure functions). Not here: the window
-itself or installing a plan (multiqueue.py).
+Lives here: `SchedPlan`, `fit_plan` and `single_queue_plan` (pure functions), and `FitWindow`
+(the recent requests a refit fits on, and when one is due). Not here: installing a plan
+(multiqueue.py).
 
 Per-queue statistics for Tok_min (choices the paper leaves open, section 8.7 of the reference):
 the window's requests are routed by the new cut-offs; then per queue S = the largest cost, lambda
@@ -13,6 +14,7 @@ of those that finished, or the timing model's T_exec of the queue's mean request
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -44,6 +46,41 @@ class SchedPlan:
     def route(self, wrs: float) -> int:
         """Queue index: 0 for WRS < B_1, i for B_i <= WRS < B_(i+1), K-1 for WRS >= B_(K-1)."""
         return bisect.bisect_right(self.clustering.cutoffs, wrs)
+
+
+class FitWindow:
+    """The requests a refit fits on: those that arrived in the last `config.window_s`, at most
+    `config.window_size` of them, oldest first."""
+
+    def __init__(self, config: SchedConfig) -> None:
+        self.config = config
+        self._requests: deque[SchedRequest] = deque(maxlen=config.window_size)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, r: SchedRequest) -> None:
+        self._requests.append(r)  # a full window drops its oldest
+
+    def trim(self, now: float) -> None:
+        """Drops the requests that arrived more than `window_s` before `now`."""
+        while self._requests and self._requests[0].arrival < now - self.config.window_s:
+            self._requests.popleft()
+
+    def due(self, now: float, plan: SchedPlan, fitted: bool) -> bool:
+        """Whether a refit is due: the first (`fitted` False) once the window holds `min_samples`;
+        then whenever it holds twice the requests `plan` was fitted on, or `requeue_s` after it."""
+        n = len(self._requests)
+        if not fitted:
+            return n >= self.config.min_samples
+        grown = plan.num_samples > 0 and n >= 2 * plan.num_samples  # a set_plan plan has 0 samples
+        return grown or now >= plan.fitted_at + self.config.requeue_s
+
+    def fit(self, now: float, total_tokens: int) -> SchedPlan | None:
+        """A plan fitted on the window; None while it holds fewer than `min_samples`."""
+        if len(self._requests) < self.config.min_samples:
+            return None
+        return fit_plan(list(self._requests), now, self.config, total_tokens)
 
 
 def single_queue_plan(config: SchedConfig, now: float = 0.0) -> SchedPlan:

@@ -52,14 +52,11 @@ class SchedRequest:
     """Times the engine did not take this request after a batch planned it."""
     resumed: bool = False
     """It ran and was taken back (squashed, or retracted by the engine): its first token is
-    out, so no slot squash is made for it (slots.py)."""
-    slot_wait_since: float | None = None
-    """When a batch first passed it over for want of an adapter slot since it was last queued
-    (None: not waiting for one); a slot drain starts for it after `slot_drain_share` of the SLO."""
+    out, so no slot squash is made for it (rules/slot_squash.py)."""
     memory_blocked_since: float | None = None
     """When a batch first found its adapter memory-blocked (it could not be made resident even
     after evicting every idle adapter) since it was last queued by a squash or a retraction; it
-    holds the batch `memory_hold_share` of the SLO later (multiqueue.py)."""
+    holds the batch `memory_hold_share` of the SLO later (rules/memory_hold.py)."""
 
     @property
     def new_len(self) -> int:
@@ -109,7 +106,7 @@ class MeasuredRates:
     extend steps are small: a prompt of a few tokens, a follow-up turn whose history is cached, a retracted request
     resuming from its kept KV. A mean of per-step ratios charges each small step's fixed part to its few tokens: on
     the 2-core CPU server it read 0.01-0.10 s per token (every small step's fixed part) where the token-weighted rate
-    reads about 3 ms, and the slot squash's victim filter (slots.py: recompute within the SLO) then excluded any
+    reads about 3 ms, and the slot squash's victim filter (rules/slot_squash.py: recompute within the SLO) then excluded any
     adapter whose running requests held more than a few dozen tokens. The token-weighted rate lets the large steps
     that hold most tokens set it. Decode: seconds per decode step (one token of every running request), the same
     decay. Raises ValueError on a negative time or token count (a caller bug)."""

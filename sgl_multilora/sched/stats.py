@@ -35,15 +35,12 @@ class SchedStats:
     normalizer: WrsNormalizer
     predictor: PredictorStats
     promoted: tuple[int, ...]
-    """Queues going first because their head kept missing the batch budget."""
+    """Queues going first because their head kept missing the batch budget (rules/promotion.py)."""
     counts: dict[str, int]
     """Since start: admitted, finished, bypasses, squashes (requests retracted for adapter
     memory), slot_squashes (slot squashes) and slot_squashed (requests they retracted),
-    room_squashes, room_squashed and room_admits (room squashes, the requests they retracted, and
-    beneficiaries the batch after one admitted: room.py),
     slot_skips (times a batch passed over a request for want of an adapter slot; one request can
-    count in many batches), refreshes, pushed_back, overdue, memory_holds (batches that took
-    nothing while a memory-blocked request waited for room: multiqueue.py), backfills (requests
-    admitted beside a memory hold, with `memory_hold_backfill` on), and stops_<reason>
+    count in many batches), refreshes, pushed_back, memory_holds (batches that took nothing while
+    a memory-blocked request waited for room: rules/memory_hold.py), and stops_<reason>
     (batches in which a queue's scan stopped at a request it could not admit: quota, budget,
-    lookahead, bypass, overdue_hold or memory_hold; one per queue and batch)."""
+    lookahead, bypass or memory_hold; one per queue and batch)."""

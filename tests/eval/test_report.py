@@ -238,25 +238,19 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     # -hold<X>: the memory-hold share of a multi-queue arm, after the default-share arm of the same cap
     assert parse_arm("ours-mq-cap8-hold0") == ("ours-mq", 8, False)
     assert parse_arm("ours-mq-hold2.5-drain") == ("ours-mq", None, True)
-    assert parse_arm("ours-mq-cap8-hold0.5-strict") == ("ours-mq", 8, False)
-    assert parse_arm("ours-mq-hold0.5-strict-drain") == ("ours-mq", None, True)
-    assert parse_arm("ours-mq-cap8-hold0.5-backfill") == ("ours-mq", 8, False)
     for bad in ("stock-hold1", "ours-hold1", "ours-mq-hold", "ours-mq-holdx", "ours-mq-hold-1", "ours-mq-hold1-x",
-                "ours-mq-strict", "ours-mq-backfill", "ours-mq-hold1-drain-strict", "stock-hold0.5-strict",
-                "ours-mq-hold1-strict-backfill"):
+                "ours-mq-hold1-drain-x", "ours-mq-hold0.5-strict", "ours-mq-hold0.5-backfill"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
     # -nomove: an arm of ours without KV moves, with any other option
     assert parse_arm("ours-mq-cap8-nomove") == ("ours-mq", 8, False)
-    assert parse_arm("ours-mq-cap8-hold0.5-strict-nomove-drain") == ("ours-mq", 8, True)
+    assert parse_arm("ours-mq-cap8-hold0.5-nomove-drain") == ("ours-mq", 8, True)
     with pytest.raises(ValueError, match="unknown arm"):
         parse_arm("stock-cap6-nomove")
     assert ordered_arms({"ours-mq-cap8-nomove", "ours-mq-cap8", "stock"}) == [
         "stock", "ours-mq-cap8", "ours-mq-cap8-nomove"]
-    arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5-backfill", "ours-mq-cap8-hold0.5-strict",
-            "ours-mq-cap8-hold0", "ours-mq-cap8"}
-    assert ordered_arms(arms) == ["ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5-backfill",
-                                  "ours-mq-cap8-hold0.5-strict", "ours-mq-cap8-hold2"]
+    arms = {"ours-mq-cap8-hold2", "ours-mq-cap8-hold0.5", "ours-mq-cap8-hold0", "ours-mq-cap8"}
+    assert ordered_arms(arms) == ["ours-mq-cap8", "ours-mq-cap8-hold0", "ours-mq-cap8-hold0.5", "ours-mq-cap8-hold2"]
 
     workload = SimpleNamespace(adapters=[SimpleNamespace(target_modules=("q_proj", "v_proj"), rank=64)])
     args = argparse.Namespace(max_loras_per_batch=4, pool_tokens=6000, policy="elora", slo_s=2.0, drain_wait_s=2.0)
@@ -270,10 +264,7 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     tokens, flags = arm_spec("ours-mq-cap8-hold0", args, workload, 64)
     assert tokens == 6000 and flags[-2:] == ["--multilora-memory-hold-share", "0"]
     assert "--multilora-memory-hold-share" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
-    assert arm_spec("ours-mq-cap8-hold0.5-backfill", args, workload, 64)[1][-3:] == [
-        "--multilora-memory-hold-share", "0.5", "--multilora-hold-backfill"]
-    assert arm_spec("ours-mq-cap8-hold0.5-strict", args, workload, 64)[1][-2:] == [
-        "--multilora-memory-hold-share", "0.5"]
+    assert arm_spec("ours-mq-cap8-hold0.5", args, workload, 64)[1][-2:] == ["--multilora-memory-hold-share", "0.5"]
     assert arm_spec("ours-mq-cap8-hold0.5-nomove", args, workload, 64)[1][-3:] == [
         "--multilora-memory-hold-share", "0.5", "--multilora-disable-kv-moves"]
     assert "--multilora-disable-kv-moves" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
@@ -282,26 +273,7 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     for bad in ("stock-host2", "ours-mq-host", "ours-mq-host0", "ours-mq-hostx", "ours-mq-host-1"):
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
-    # -overdue<S>: the multi-queue scheduler's overdue wait, with any other option of ours-mq
-    assert arm_spec("ours-mq-cap8-overdue4", args, workload, 64)[1][-2:] == ["--multilora-overdue-s", "4"]
-    assert "--multilora-overdue-s" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
-    assert parse_arm("ours-mq-cap8-hold0.5-strict-overdue2.5-nomove-drain") == ("ours-mq", 8, True)
-    for bad in ("stock-overdue2", "ours-cap8-overdue2", "ours-mq-overdue", "ours-mq-overdue0", "ours-mq-overduex"):
-        with pytest.raises(ValueError, match="unknown arm"):
-            parse_arm(bad)
-    # -room<X>: the multi-queue scheduler's room squash, beside the overdue wait too
-    assert arm_spec("ours-mq-cap8-room0.5", args, workload, 64)[1][-2:] == ["--multilora-room-squash-share", "0.5"]
-    assert arm_spec("ours-mq-cap8-overdue2-room1", args, workload, 64)[1][-4:] == [
-        "--multilora-overdue-s", "2", "--multilora-room-squash-share", "1"]
-    assert parse_arm("ours-mq-cap8-room0.25-drain") == ("ours-mq", 8, True)
-    for bad in ("stock-room0.5", "ours-cap8-room0.5", "ours-mq-room", "ours-mq-room0", "ours-mq-roomx"):
-        with pytest.raises(ValueError, match="unknown arm"):
-            parse_arm(bad)
-    # -protect: the plan's budget leaves out the histories waiting requests would reuse
-    assert arm_spec("ours-mq-cap8-protect", args, workload, 64)[1][-1:] == ["--multilora-protect-queued-kv"]
-    assert arm_spec("ours-mq-cap8-nomove-protect-room0.5", args, workload, 64)[1][-4:] == [
-        "--multilora-room-squash-share", "0.5", "--multilora-protect-queued-kv", "--multilora-disable-kv-moves"]
-    for bad in ("stock-protect", "ours-cap8-protect"):
+    for bad in ("ours-mq-overdue2", "ours-mq-room0.5", "ours-mq-protect"):  # rules no longer in the server
         with pytest.raises(ValueError, match="unknown arm"):
             parse_arm(bad)
     with pytest.raises(ValueError, match="more than --pool-tokens 6000"):

@@ -88,26 +88,11 @@ def test_memory_flags(monkeypatch):
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
     assert flags.pop_from_namespace(ns).max_slot_squashes == 0
-    assert flags.MultiLoRAArgs().slot_drain_share == 0.0  # off by default
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-drain-share", "1"])
-    assert flags.pop_from_namespace(ns).slot_drain_share == 1.0
-    with pytest.raises(SystemExit):
-        parser().parse_args(["--multilora-slot-drain-share", "-1"])
     assert flags.MultiLoRAArgs().memory_hold_share == 0.5
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-memory-hold-share", "0"])
     assert flags.pop_from_namespace(ns).memory_hold_share == 0.0
     with pytest.raises(SystemExit):
         parser().parse_args(["--multilora-memory-hold-share", "-0.5"])
-    assert not flags.MultiLoRAArgs().hold_backfill  # a hold admits nothing else by default
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-hold-backfill"])
-    assert flags.pop_from_namespace(ns).hold_backfill
-    assert flags.MultiLoRAArgs().room_squash_share == 0.0 and not flags.MultiLoRAArgs().protect_queued_kv  # off
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-room-squash-share", "0.25",
-                              "--multilora-protect-queued-kv"])
-    got = flags.pop_from_namespace(ns)
-    assert (got.room_squash_share, got.protect_queued_kv) == (0.25, True)
-    with pytest.raises(SystemExit):
-        parser().parse_args(["--multilora-room-squash-share", "-1"])
     assert not flags.MultiLoRAArgs().disable_kv_moves  # KV moves to free a run for an adapter by default
     assert flags.pop_from_namespace(parser().parse_args(["--multilora-disable-kv-moves"])).disable_kv_moves
     # the unified pool needs the tree backend (set at parse time) and `unified`

@@ -13,7 +13,6 @@ import math
 
 import pytest
 
-from sgl_multilora.sched.admission import Stop
 from sgl_multilora.sched import (
     MultiQueueScheduler,
     OutputLengthPredictor,
@@ -251,73 +250,15 @@ def test_a_set_plan_is_not_replaced_by_the_warm_up():
     assert s.plan.clustering.cutoffs == (0.5,) and s.refresh(now=100.0)
 
 
-def overdue_scheduler(**kw) -> MultiQueueScheduler:
-    """Every quota held and every queue non-empty (nothing to lend): only overdue requests can go in."""
-    s = make([300, 800, 1000], **kw)
+def test_a_request_waits_for_its_queues_quota_however_long():
+    """Algorithm 1 as published: every quota held and every queue non-empty (nothing to lend), l2 waits for l1's
+    quota however long it has waited."""
+    s = make([300, 800, 1000])
     add_all(s, req("l1", 1000, arrival=0.0), req("l2", 1000, arrival=0.0),
             *(req(f"s{i}", 100, arrival=1.0) for i in range(1, 5)),
             *(req(f"m{i}", 400, arrival=1.0) for i in range(1, 4)))
     assert rids(s.build_batch(0.0)) == ["s1", "s2", "s3", "m1", "m2", "l1"]
-    return s
-
-
-def test_an_overdue_request_goes_first_whatever_its_quota():
-    s = overdue_scheduler(overdue_s=5.0)
-    assert rids(s.build_batch(4.9, budget_tokens=2000)) == []  # not overdue yet; every quota held
-    # at 5 s l2 is overdue: it goes before the small queue, charged to its own queue over its quota
-    assert rids(s.build_batch(5.0, budget_tokens=1100)) == ["l2"]
-    assert s.running["l2"].charges == [(2, 1000)] and s.ledger.available(2) == -1000
-    assert s.counts["overdue"] == 1
-    # s4 and m3 (queued at 1 s) are overdue at 6 s: in arrival order, over their queues' quotas too
-    assert rids(s.build_batch(6.0, budget_tokens=1100)) == ["s4", "m3"]
-    assert s.ledger.available(0) == -100 and s.ledger.available(1) == -400
-    assert s.counts["overdue"] == 3
-    s.check_invariants()
-
-
-def test_an_overdue_request_that_does_not_fit_holds_back_younger_ones():
-    s = overdue_scheduler(overdue_s=5.0)
-    s.on_finish("s1", 5.0)
-    add_all(s, req("s5", 100, arrival=5.0))
-    # l2 is overdue and the budget is below its cost: the small queue's free 100 stays unused, so the
-    # room freed by finishing requests gathers for l2
-    assert rids(s.build_batch(5.0, budget_tokens=900)) == []
-    assert s.last_stops == {2: Stop("overdue_hold", "l2", 1000, 900)} and s.counts["stops_overdue_hold"] == 1
-    assert rids(s.build_batch(5.5, budget_tokens=1100)) == ["l2", "s4"]
-    s.check_invariants()
-
-
-def test_an_overdue_request_waiting_for_its_adapter_holds_back_nothing():
-    s = make([300, 800, 1000], overdue_s=5.0)
-    add_all(s, req("l1", 1000, adapter="b", arrival=0.0), req("s1", 100, arrival=1.0))
-    prefetched = []
-
-    def prefetch(adapter):
-        prefetched.append(adapter)
-        return True
-
-    batch = s.build_batch(6.0, budget_tokens=500, is_resident={"a"}.__contains__, request_prefetch=prefetch)
-    assert rids(batch) == ["s1"] and prefetched == ["b"]  # l1 passed over, its adapter asked for
-    s.check_invariants()
-
-
-def test_without_overdue_s_nobody_is_ever_overdue():
-    s = overdue_scheduler()
-    assert rids(s.build_batch(10_000.0, budget_tokens=10_000)) == []  # l2 waits for l1's quota, however long
-    assert s.counts["overdue"] == 0
-
-
-def test_an_overdue_request_larger_than_any_budget_goes_in_once_nothing_runs():
-    """The hold must not stall the server: a request whose cost exceeds every budget the engine offers (its predicted
-    output counted) holds back younger ones while anything runs, then goes in alone and the engine decides."""
-    s = make([300, 800, 1000], overdue_s=5.0)
-    add_all(s, req("s1", 100, arrival=0.0), req("big", 1000, arrival=0.0))
-    assert rids(s.build_batch(0.0, budget_tokens=500)) == ["s1"]  # big: over the budget, not overdue yet
-    add_all(s, req("s2", 100, arrival=6.0))
-    assert rids(s.build_batch(6.0, budget_tokens=500)) == []  # big is overdue and s1 runs: hold
-    s.on_finish("s1", 7.0)
-    assert rids(s.build_batch(7.0, budget_tokens=500)) == ["big"]  # nothing runs: it goes in alone
-    assert rids(s.build_batch(7.5, budget_tokens=500)) == ["s2"]  # s2 (not overdue) fits the small queue
+    assert rids(s.build_batch(10_000.0, budget_tokens=10_000)) == []
     s.check_invariants()
 
 

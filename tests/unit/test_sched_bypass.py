@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 from sgl_multilora.sched import (
+    HeldKV,
+    MeasuredTerms,
     MultiQueueScheduler,
     OutputLengthPredictor,
     SchedConfig,
@@ -123,3 +125,39 @@ def test_removing_the_blocked_request_forgets_its_bypasses():
     s.remove("r1")  # aborted by its client
     assert s.bypass.bypassed == {} and s.squash_candidates(free_tokens=0) == []
     s.check_invariants()
+
+
+class Pool:
+    """A unified pool as a live engine reports it: 60 slots an admission could have now; retracting a request gives
+    back the KV only it holds, its adapter when no other running request uses it ("a": 30 slots, used by r2 alone)
+    and the cached prefix its lock alone pins ("r2's prefix": 40 slots); "big" needs 50 slots to start."""
+
+    def room(self) -> int:
+        return 60
+
+    def room_without(self, adapter, lock, owned_slots: int) -> int:
+        return 60 + owned_slots + (30 if adapter == "a" else 0) + (40 if lock == "r2's prefix" else 0)
+
+    def slots_to_start(self, adapter) -> int:
+        return 50 if adapter == "big" else 0
+
+
+def test_measured_terms_price_a_squash_by_what_the_engine_would_give_back():
+    """Live, the squash's terms are measured: r2 holds 70 allocated slots, 40 of them its cached prefix, so
+    retracting it gives back 30 of its own, adapter a's 30 and the prefix's 40: footprint 100. r1 needs its
+    prompt (50) plus big's 50: 100 > 60 free, <= 60 + 100, so r2 goes; a request the engine cannot describe
+    (x, between states) gives back nothing."""
+    s = make()
+    s.add(req("x", 200, 200))
+    s.build_batch(0.0)
+    s.add(req("r1", 50, 50, "big"))
+    s.add(req("r2", 10, 10))
+    assert rids(s.build_batch(0.0, is_resident={"a"}.__contains__, request_prefetch=blocked_big)) == ["r2"]
+    held = {"r2": HeldKV("a", allocated_len=70, cached_len=40, lock="r2's prefix")}
+    terms = MeasuredTerms(Pool(), held.get)
+    assert (terms.free, terms.need(s.queues.get("r1")), terms.footprint(s.running["r2"])) == (60, 100, 100)
+    assert terms.footprint(s.running["x"]) == 0 and held["r2"].owned_slots == 30
+    (sq,) = s.squash_candidates(terms.free, terms.footprint, terms.need)
+    assert (sq.victim.rid, sq.beneficiary.rid) == ("r2", "r1")
+    held["r2"] = HeldKV("a", allocated_len=40, cached_len=40, lock=None)  # gives back only a's 30: 90 < 100
+    assert s.squash_candidates(terms.free, terms.footprint, terms.need) == []

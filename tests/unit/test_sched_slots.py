@@ -23,7 +23,8 @@ from sgl_multilora.sched import (
     TimingModel,
     WrsNormalizer,
 )
-from sgl_multilora.sched.slots import AdapterSlots, choose_slot_squash, slot_free_in_s
+from sgl_multilora.sched.rules.slot_squash import choose_slot_squash, slot_free_in_s
+from sgl_multilora.sched.slots import AdapterSlots
 
 TIMING = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.1)
 
@@ -148,14 +149,6 @@ def test_slot_skips_spend_no_lookahead_so_a_running_adapter_far_back_still_goes_
     s.check_invariants()
 
 
-def test_overdue_requests_pass_over_a_full_cap_too():
-    s = make(overdue_s=1.0)
-    s.add(req("b1", "b", arrival=0.0))
-    s.add(req("a1", "a", arrival=0.5))
-    batch = s.build_batch(5.0, running_adapters={"a"}, max_adapters=1)
-    assert rids(batch) == ["a1"] and s.stats().counts["overdue"] == 1
-
-
 def test_story_slot_squash_picks_the_cheapest_adapter_and_reserves_the_slot():
     s = make()
     # three adapters fill the cap of 3; each decodes 100 tokens (10 s) from t=0
@@ -172,22 +165,22 @@ def test_story_slot_squash_picks_the_cheapest_adapter_and_reserves_the_slot():
         == pytest.approx(9.95)  # c's requests: 50 prompt + 100 output tokens from t=0
 
     # d1 just arrived, but a slot frees only in about 10 s: it would miss its 2 s SLO
-    sq = s.slot_squash(0.1, running, 3, recompute)
+    sq = s.slot_squashes.choose(0.1, running, 3, recompute)
     assert sq is not None and sq.beneficiary.rid == "d1"
     # recompute cost: a 525, b 205, c 110: c goes, both its requests
     assert sq.adapter == "c" and rids(sq.victims) == ["c1", "c2"]
     assert s.running["c1"].rid == "c1" and "c1" not in s.queues  # nothing changed yet
-    s.commit_slot_squash(sq)
-    assert "c1" in s.queues and "c2" in s.queues and s.slot_reserved_for == "d1"
+    s.slot_squashes.commit(sq)
+    assert "c1" in s.queues and "c2" in s.queues and s.slot_squashes.reserved_for == "d1"
     assert all(s.queues.get(r).resumed and s.queues.get(r).num_squashes == 1 for r in ("c1", "c2"))
     s.check_invariants()
 
     # no second squash while d1 waits for its slot, even with every slot taken again
     running = running_map(s)
-    assert s.slot_squash(0.2, {**running, "z": ["a1"]}, 3, recompute) is None
+    assert s.slot_squashes.choose(0.2, {**running, "z": ["a1"]}, 3, recompute) is None
     # the freed slot is d1's: c1 and c2 (older) and e1 must not take it
     batch = s.build_batch(0.2, running_adapters=set(running), max_adapters=3)
-    assert rids(batch) == ["d1"] and s.slot_reserved_for is None
+    assert rids(batch) == ["d1"] and s.slot_squashes.reserved_for is None
     counts = s.stats().counts
     assert counts["slot_squashes"] == 1 and counts["slot_squashed"] == 2 and counts["squashes"] == 0
     s.check_invariants()
@@ -199,12 +192,12 @@ def test_no_squash_while_a_slot_frees_in_time_and_one_once_half_the_slo_is_spent
     s.add(req("b1", "b", out_len=100))
     s.build_batch(0.0, running_adapters=set(), max_adapters=2)
     s.add(req("c1", "c", arrival=0.0))
-    assert s.slot_squash(0.0, running_map(s), 2, recompute) is None  # 0 + 0.51 s <= 2 s
+    assert s.slot_squashes.choose(0.0, running_map(s), 2, recompute) is None  # 0 + 0.51 s <= 2 s
     # the prediction was wrong: a1 is still running at 1 s, half the SLO: squash now
-    sq = s.slot_squash(1.0, running_map(s), 2, recompute)
+    sq = s.slot_squashes.choose(1.0, running_map(s), 2, recompute)
     assert sq is not None and sq.beneficiary.rid == "c1" and sq.adapter == "a"
     # a free slot: no squash at all
-    assert s.slot_squash(1.0, {"a": ["a1"]}, 2, recompute) is None
+    assert s.slot_squashes.choose(1.0, {"a": ["a1"]}, 2, recompute) is None
 
 
 @pytest.mark.parametrize("share, fires_at", [(0.25, 0.5), (0.0, 0.0), (1.0, None)])
@@ -217,7 +210,7 @@ def test_the_slot_squash_share_sets_how_long_a_request_waits_for_a_slot(share, f
     s.build_batch(0.0, running_adapters=set(), max_adapters=2)
     s.add(req("c1", "c", arrival=0.0))
     for t in (0.0, 0.49, 0.5, 1.0, 1.9):
-        sq = s.slot_squash(t, running_map(s), 2, recompute)
+        sq = s.slot_squashes.choose(t, running_map(s), 2, recompute)
         expected = fires_at is not None and t >= fires_at
         assert (sq is not None) is expected, (share, t)
         assert sq is None or (sq.beneficiary.rid, sq.adapter) == ("c1", "a")
@@ -234,25 +227,25 @@ def test_squash_bounds_resumed_beneficiaries_repeat_victims_excluded_and_costly_
     s.add(req("b1", "b"))
     s.build_batch(0.0, running_adapters=set(), max_adapters=2)
     s.add(req("c1", "c", arrival=0.0))
-    sq = s.slot_squash(1.5, running_map(s), 2, recompute)
+    sq = s.slot_squashes.choose(1.5, running_map(s), 2, recompute)
     assert sq.adapter in ("a", "b")
     # excluded (a chunked prefill in progress): the other one goes
-    sq2 = s.slot_squash(1.5, running_map(s), 2, recompute, excluded={sq.adapter})
+    sq2 = s.slot_squashes.choose(1.5, running_map(s), 2, recompute, excluded={sq.adapter})
     assert sq2.adapter == ({"a", "b"} - {sq.adapter}).pop()
     # recomputing costs more than the SLO (2 s at 1 ms per token): not squashed
-    assert s.slot_squash(1.5, running_map(s), 2, lambda r: 2500) is None
+    assert s.slot_squashes.choose(1.5, running_map(s), 2, lambda r: 2500) is None
     # an adapter whose request was squashed before is not squashed again
     s.running["a1"].num_squashes = 1
-    sq3 = s.slot_squash(1.5, running_map(s), 2, recompute)
+    sq3 = s.slot_squashes.choose(1.5, running_map(s), 2, recompute)
     assert sq3.adapter == "b"
     s.running["b1"].num_squashes = 1
-    assert s.slot_squash(1.5, running_map(s), 2, recompute) is None
+    assert s.slot_squashes.choose(1.5, running_map(s), 2, recompute) is None
     # an adapter with a request the scheduler does not know is not squashed
     s.running["b1"].num_squashes = 0
-    assert s.slot_squash(1.5, {"a": ["a1"], "b": ["b1", "ghost"]}, 2, recompute) is None
+    assert s.slot_squashes.choose(1.5, {"a": ["a1"], "b": ["b1", "ghost"]}, 2, recompute) is None
     # a resumed request is never a beneficiary: its first token is out
     s.queues.get("c1").resumed = True
-    assert s.slot_squash(1.5, running_map(s), 2, recompute) is None
+    assert s.slot_squashes.choose(1.5, running_map(s), 2, recompute) is None
 
 
 @pytest.mark.parametrize("bound", [0, 1, 2, 3])
@@ -265,7 +258,7 @@ def test_a_victim_is_retracted_by_slot_squashes_at_most_the_bound_times(bound):
     s.add(req("c1", "c", arrival=0.0))
     for times in range(4):
         s.running["a1"].num_squashes = times
-        sq = s.slot_squash(1.5, running_map(s), 1, recompute)
+        sq = s.slot_squashes.choose(1.5, running_map(s), 1, recompute)
         assert (sq is not None) == (times < bound), (times, bound)
         if sq is not None:
             assert sq.adapter == "a" and sq.beneficiary.rid == "c1"
@@ -280,7 +273,7 @@ def test_the_beneficiary_is_the_oldest_resident_request_needing_a_slot():
     s.add(req("a2", "a", arrival=0.0))  # its adapter runs: needs no slot
     s.add(req("x1", "x", arrival=0.1))  # not resident
     s.add(req("y1", "y", arrival=0.2))
-    sq = s.slot_squash(1.5, running_map(s), 1, recompute, is_resident=lambda a: a != "x")
+    sq = s.slot_squashes.choose(1.5, running_map(s), 1, recompute, is_resident=lambda a: a != "x")
     assert sq.beneficiary.rid == "y1" and sq.adapter == "a"
 
 
@@ -294,18 +287,18 @@ def test_the_squash_loads_the_adapter_of_an_older_request_whose_adapter_is_not_r
     mem = Memory(resident=["a", "y"], capacity=3)
     early = TimingModel(prefill_s_per_token=0.001, decode_s_per_token=0.001)
     s.config = dataclasses.replace(s.config, timing=early)
-    assert s.slot_squash(0.2, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch) is None
+    assert s.slot_squashes.choose(0.2, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch) is None
     assert mem.loads == []
     s.config = dataclasses.replace(s.config, timing=TIMING)
     # it fires: the load completes at once, so x1, the oldest, gets the slot
-    sq = s.slot_squash(1.5, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch)
+    sq = s.slot_squashes.choose(1.5, running_map(s), 1, recompute, mem.is_resident, (), mem.prefetch)
     assert sq.beneficiary.rid == "x1" and sq.adapter == "a" and mem.loads == ["x"]
     # a load that does not complete at once: the oldest resident request's squash instead
     mem2 = Memory(resident=["a", "y"], capacity=3, asynchronous=True)
-    sq2 = s.slot_squash(1.5, running_map(s), 1, recompute, mem2.is_resident, (), mem2.prefetch)
+    sq2 = s.slot_squashes.choose(1.5, running_map(s), 1, recompute, mem2.is_resident, (), mem2.prefetch)
     assert sq2.beneficiary.rid == "y1" and mem2.loads == ["x"]
     # without a prefetch callback, the oldest resident one, as before
-    assert s.slot_squash(1.5, running_map(s), 1, recompute, mem2.is_resident).beneficiary.rid == "y1"
+    assert s.slot_squashes.choose(1.5, running_map(s), 1, recompute, mem2.is_resident).beneficiary.rid == "y1"
 
 
 def test_a_removed_beneficiary_releases_its_reservation_and_pushed_back_requests_are_not_resumed():
@@ -314,11 +307,11 @@ def test_a_removed_beneficiary_releases_its_reservation_and_pushed_back_requests
     s.build_batch(0.0, running_adapters=set(), max_adapters=1)
     s.add(req("b1", "b"))
     s.add(req("c1", "c", arrival=0.1))
-    sq = s.slot_squash(1.5, running_map(s), 1, recompute)
-    s.commit_slot_squash(sq)
-    assert s.slot_reserved_for == "b1"
+    sq = s.slot_squashes.choose(1.5, running_map(s), 1, recompute)
+    s.slot_squashes.commit(sq)
+    assert s.slot_squashes.reserved_for == "b1"
     s.remove("b1")  # aborted while it waited
-    assert s.slot_reserved_for is None
+    assert s.slot_squashes.reserved_for is None
     batch = s.build_batch(1.6, running_adapters=set(), max_adapters=1)
     assert rids(batch) == ["a1"]  # the oldest again, now that nothing is reserved
     s.requeue("a1", pushed_back=True)
@@ -355,12 +348,12 @@ def test_a_reservation_lasts_one_batch():
     s.build_batch(0.0, running_adapters=set(), max_adapters=1)
     s.add(req("big", "b", in_len=5000, arrival=0.0))
     s.add(req("c1", "c", arrival=0.1))
-    sq = s.slot_squash(1.5, running_map(s), 1, recompute)
+    sq = s.slot_squashes.choose(1.5, running_map(s), 1, recompute)
     assert sq.beneficiary.rid == "big"
-    s.commit_slot_squash(sq)
+    s.slot_squashes.commit(sq)
     # over the budget: nothing that needs a slot goes in while it is reserved for "big"
     assert rids(s.build_batch(1.6, budget_tokens=1000, running_adapters=set(), max_adapters=1)) == []
-    assert s.slot_reserved_for is None
+    assert s.slot_squashes.reserved_for is None
     # the next batch: the slot is anyone's (a1, squashed, is oldest)
     assert rids(s.build_batch(1.7, budget_tokens=1000, running_adapters=set(), max_adapters=1)) == ["a1"]
     s.check_invariants()

@@ -21,6 +21,7 @@ from sgl_multilora.sched import (
     SchedRequest,
     WrsNormalizer,
 )
+from sgl_multilora.sched.admission import Stop
 
 PLANS = [([0.1, 0.3], [300, 800, 1000]), ([], [1000]), ([0.05, 0.2, 0.4], [200, 200, 600, 1000])]
 TINY, MEDIUM, LARGE = (10, 100), (300, 500), (900, 1500)  # LARGE may exceed a whole quota
@@ -169,40 +170,6 @@ def test_engine_pushbacks_cannot_starve_a_large_request():
     assert s.counts["pushed_back"] >= SKIPS
 
 
-OVERDUE_S = 3
-
-
-@settings(max_examples=30, deadline=None)
-@given(pattern=st.sampled_from(["tiny_bursts_vs_large", "all_one_queue", "alternating", "random"]),
-       plan=st.sampled_from(PLANS),
-       durations=st.lists(st.integers(1, 12), min_size=1, max_size=8),
-       budget_slack=st.none() | st.integers(0, 100),
-       data=st.data())
-def test_with_overdue_s_every_wait_is_bounded_by_the_overdue_requests_ahead(pattern, plan, durations,
-                                                                           budget_slack, data):
-    """With `overdue_s`, a request is admitted at most n batches after it becomes overdue, n being the older
-    requests still queued then (each batch takes at least the oldest overdue request when every budget covers the
-    largest cost), and in the batch it becomes overdue when there is no budget: whatever the quotas and however
-    long the running requests hold them."""
-    s = make(plan, overdue_s=OVERDUE_S)
-    budget = None if budget_slack is None else C_MAX + budget_slack
-    deadline: dict[str, int] = {}  # rid -> the batch by which it must be admitted
-    finish_at: dict[str, int] = {}
-    num_admitted = 0
-    for it in range(NUM_ITERS):
-        step(s, it, finish_at, sizes_for(pattern, it, data))
-        queued = sorted((r for q in range(s.queues.num_queues) for r in s.queues.scan(q)), key=lambda r: r.seq)
-        for n, r in enumerate(x for x in queued if it - x.arrival >= OVERDUE_S):
-            deadline.setdefault(r.rid, it + (0 if budget is None else n))
-        for r in s.build_batch(float(it), budget_tokens=budget):
-            finish_at[r.rid] = it + durations[num_admitted % len(durations)]
-            num_admitted += 1
-            deadline.pop(r.rid, None)
-        late = [rid for rid, d in deadline.items() if d <= it]
-        assert not late, f"overdue requests {late} still queued at batch {it}"
-        s.check_invariants()
-
-
 def memory_blocked_run(**kw) -> tuple[MultiQueueScheduler, int | None, float | None]:
     """A request whose adapter cannot be made resident (memory full of running requests) heads the middle queue,
     while small base-model requests stream into the smallest queue, four a batch, each running three batches:
@@ -268,11 +235,10 @@ def test_a_memory_blocked_request_is_not_starved_by_another_queues_stream():
        stream=st.lists(st.integers(1, 5), min_size=NUM_ITERS, max_size=NUM_ITERS),
        large=st.lists(st.tuples(st.integers(0, NUM_ITERS - 1), st.sampled_from("xyz"), st.integers(*MEDIUM)),
                       max_size=6),
-       durations=st.lists(st.integers(1, 6), min_size=1, max_size=8), backfill=st.booleans())
+       durations=st.lists(st.integers(1, 6), min_size=1, max_size=8))
 @example(plan=PLANS[2], stream=[1] * 27 + [4] + [5] * 12, durations=[6],  # drains long after the last arrival
-         large=[(3, "z", 300), (3, "z", 400), (3, "x", 300), (3, "x", 400), (3, "x", 401), (3, "x", 401)],
-         backfill=False)
-def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, stream, large, durations, backfill):
+         large=[(3, "z", 300), (3, "z", 400), (3, "x", 300), (3, "x", 400), (3, "x", 401), (3, "x", 401)])
+def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, stream, large, durations):
     """Adversarial streams against adapters that need most of the pool: every batch a burst of small base-model
     requests, and now and then a request on one of three adapters of 500-700 tokens in a pool of 1300 (each fits
     with its request when little else runs, none beside another). The pool evicts idle adapters (none that a
@@ -280,11 +246,9 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
     and the budget counts them as free, as SGLang's evictable memory does; the engine takes the plan in order
     while each request fits and its adapter is resident, and pushes back the rest. Bound: a request that
     holds the batch (memory-blocked `memory_hold_share` of the SLO ago, the oldest such) is admitted within the
-    longest run of a request plus two batches (a push-back when its load took the room its budget counted), with
-    or without backfill (told the adapters' sizes, the hold admits base-model requests and requests on pinned
-    adapters into the room the held request will not need)."""
+    longest run of a request plus two batches (a push-back when its load took the room its budget counted)."""
     pool, sizes = 1300, {"x": 500, "y": 600, "z": 700}
-    s = make(plan, memory_hold_backfill=backfill)
+    s = make(plan)
     hold_after = s.config.memory_hold_share * s.config.ttft_slo_s
     resident: dict[str, int] = {}  # adapter -> size
     running: dict[str, tuple[SchedRequest, int]] = {}  # rid -> (request, batch it finishes)
@@ -336,7 +300,7 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
             target_since.setdefault(min(blocked, key=lambda r: (r.memory_blocked_since, r.seq)).rid, it)
         pinned.clear()
         budget = free() + sum(resident[a] for a in idle())
-        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch, adapter_tokens=sizes.__getitem__):
+        for r in s.build_batch(float(it), budget, resident.__contains__, prefetch):
             pinned.add(r.adapter)
             if (r.adapter is not None and r.adapter not in resident) or not make_room(r.cost_tokens):
                 s.requeue(r.rid, pushed_back=True)
@@ -353,45 +317,30 @@ def test_the_memory_hold_admits_its_request_once_what_runs_has_drained(plan, str
     assert not len(s.queues) and not running, f"work left {horizon - NUM_ITERS} batches after the arrivals stopped"
 
 
-def test_backfill_beside_a_memory_hold_takes_only_the_room_the_held_request_will_not_need():
+def test_a_memory_hold_takes_nothing_else_until_its_request_goes_in():
     """A pool of 1000 tokens: adapter a (300) pinned by A1 (200), a base-model request B (100), 400 free. R on
-    adapter c (400) costs 300: it needs 700, so it is memory-blocked. Once A1 and B drain there are 400 + 300 +
-    a's 300 = 1000 tokens, 300 more than R needs: the backfill fills exactly that, oldest first, with requests
-    that load nothing (w costs 50 but would lock 260 cached tokens the budget counts as evictable; x1: 150, x2:
-    100; y on a would keep a pinned, 100 + 300 over the 150 left; z's adapter d is not resident; x3's 100 is over
-    the last 50), and takes nothing next batch (its slack is counted again). With backfill off (the default) the
-    hold takes nothing; after the drain R goes in."""
-    sizes = {"a": 300, "c": 400, "d": 300}
-    tokens = sizes.__getitem__
-    for backfill in (True, False):
-        # one queue; hold from the first batch that finds R blocked
-        s = make(PLANS[1], memory_hold_share=0.0, memory_hold_backfill=backfill)
-        resident = {"a"}
-        s.add(request("A1", 200, adapter="a"))
-        s.add(SchedRequest("B", None, in_len=50, max_new_tokens=50))
-        assert [r.rid for r in s.build_batch(0.0, 700, resident.__contains__, lambda a: False, None, None,
-                                             tokens)] == ["A1", "B"]
-        s.add(request("R", 300, adapter="c", arrival=1.0))
-        assert s.build_batch(1.0, 400, resident.__contains__, lambda a: False, None, None, tokens) == []
-        assert s.queues.get("R").memory_blocked_since == 1.0
-        s.add(SchedRequest("w", None, in_len=285, max_new_tokens=25, cached_len=260, arrival=2.0))
-        for rid, size, adapter in [("x1", 150, None), ("y", 100, "a"), ("x2", 100, None), ("z", 100, "d"),
-                                   ("x3", 100, None)]:
-            s.add(request(rid, size, adapter=adapter, arrival=2.0) if adapter else
-                  SchedRequest(rid, None, in_len=size // 2, max_new_tokens=size - size // 2, arrival=2.0))
-        batch = s.build_batch(2.0, 400, resident.__contains__, lambda a: False, None, None, tokens)
-        assert [r.rid for r in batch] == (["x1", "x2"] if backfill else [])
-        assert s.counts["backfills"] == (2 if backfill else 0) and s.counts["memory_holds"] == 1
-        budget = 400 - sum(r.cost_tokens for r in batch)
-        assert s.build_batch(3.0, budget, resident.__contains__, lambda a: False, None, None, tokens) == []
-        s.on_finish("A1", 4.0)
-        s.on_finish("B", 4.0)
-        s.check_invariants()
+    adapter c (400) costs 300: it needs 700, so it is memory-blocked. While A1 and B run, the hold takes nothing,
+    not even requests that would load nothing (base-model ones, one on the pinned a); after the drain R goes in."""
+    s = make(PLANS[1], memory_hold_share=0.0)  # one queue; hold from the first batch that finds R blocked
+    resident = {"a"}
+    s.add(request("A1", 200, adapter="a"))
+    s.add(SchedRequest("B", None, in_len=50, max_new_tokens=50))
+    assert [r.rid for r in s.build_batch(0.0, 700, resident.__contains__, lambda a: False)] == ["A1", "B"]
+    s.add(request("R", 300, adapter="c", arrival=1.0))
+    assert s.build_batch(1.0, 400, resident.__contains__, lambda a: False) == []
+    assert s.queues.get("R").memory_blocked_since == 1.0
+    s.add(SchedRequest("x1", None, in_len=75, max_new_tokens=75, arrival=2.0))
+    s.add(request("y", 100, adapter="a", arrival=2.0))
+    assert s.build_batch(2.0, 400, resident.__contains__, lambda a: False) == []
+    assert s.counts["memory_holds"] == 1 and s.last_stops == {0: Stop("memory_hold", "R", 300, 0)}
+    s.on_finish("A1", 4.0)
+    s.on_finish("B", 4.0)
+    s.check_invariants()
 
-        def load(adapter: str) -> bool:
-            resident.add(adapter)
-            return True
+    def load(adapter: str) -> bool:
+        resident.add(adapter)
+        return True
 
-        batch = s.build_batch(4.0, budget + 300 + 300, resident.__contains__, load, None, None, tokens)
-        assert [r.rid for r in batch] == ["R"] and s.counts["memory_holds"] == 2
-        s.check_invariants()
+    assert [r.rid for r in s.build_batch(4.0, 1000, resident.__contains__, load)] == ["R"]
+    assert s.counts["memory_holds"] == 1
+    s.check_invariants()

@@ -303,26 +303,6 @@ def test_prefix_node_ids_is_a_pure_query_over_the_matched_path():
     w.check()
 
 
-def test_wanted_kv_slots_counts_the_unlocked_kv_that_waiting_prefixes_match_once():
-    """What an admission pass leaves out of its budget with --multilora-protect-queued-kv: base [5 6] (2 slots) and
-    X's suffix [9] (1 slot) for an X request [5 6 9 7]; a second key sharing [5 6] adds nothing; a lock on the path
-    takes its nodes out (locked KV is not in the budget to begin with); no waiting keys, nothing."""
-    w = World("lru")
-    w.fill()
-    assert w.swapper.wanted_kv_slots() == 0
-    x_key = w.key("X", [5, 6, 9, 7], start=2)
-    w.swapper.set_waiting(lambda: [x_key])
-    assert w.swapper.wanted_kv_slots() == 3
-    w.swapper.set_waiting(lambda: [x_key, w.key(None, [5, 6, 8]), w.key(None, [8])])
-    assert w.swapper.wanted_kv_slots() == 3
-    node = w.tree.match(w.key(None, [5, 6])).last_node
-    w.tree.lock(node)
-    assert w.swapper.wanted_kv_slots() == 1  # [9]: its parent [5 6] is locked
-    w.tree.unlock(node)
-    assert w.swapper.wanted_kv_slots() == 3
-    w.check()
-
-
 def test_host_kv_swap_in_gets_what_the_adapters_left_below_the_watermark():
     w = World("lru", sizes={"A": 300, "B": 100})  # idle_watermark 0.7 of 12 slots: 8.4
     asked = []

@@ -4,8 +4,7 @@ in which order (SimConfig.admission).
 - `fcfs`: arrival order, SGLang's default (`fcfs.py`; the engine's behaviour before this choice existed);
 - `lpm`: SGLang's longest-prefix-match ordering of the waiting queue (`lpm.py`);
 - `multiqueue`: the project's `sgl_multilora.sched.MultiQueueScheduler` (Chameleon), driven as the live server
-  drives it (`multiqueue.py`); `multiqueue-overdue`: the same with overdue requests (queued half the TTFT SLO)
-  first, oldest first.
+  drives it (`multiqueue.py`).
 Not here: the pass itself (engine.py: the system decides whether each candidate fits) or memory (systems/).
 """
 
@@ -14,11 +13,10 @@ from __future__ import annotations
 from eval.sim.admission.base import BaseAdmission
 from eval.sim.admission.fcfs import FcfsAdmission
 from eval.sim.admission.lpm import LpmAdmission
-from eval.sim.admission.multiqueue import MultiQueueAdmission, MultiQueueOverdueAdmission
+from eval.sim.admission.multiqueue import MultiQueueAdmission
 
 POLICIES: dict[str, type[BaseAdmission]] = {
     "fcfs": FcfsAdmission, "lpm": LpmAdmission, "multiqueue": MultiQueueAdmission,
-    "multiqueue-overdue": MultiQueueOverdueAdmission,
 }
 
 

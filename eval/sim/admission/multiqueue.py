@@ -15,7 +15,7 @@ Choices of the simulator, each a departure from the live hook:
 - memory squashes (the bypass rule's) are not applied: the engine reserves KV for a request's whole prompt and
   output at admission (engine.py), so a bypassing request never holds memory a blocked one could use later;
 - with SGLang's per-batch adapter cap (`SimConfig.max_loras_per_batch`; none by default) the plan counts slots and
-  the slot squash (sgl_multilora/sched/slots.py) runs before each pass as live: the victims are decoding requests
+  the slot squash (sgl_multilora/sched/rules/slot_squash.py) runs before each pass as live: the victims are decoding requests
   (`EngineView.retract`: their KV so far cached, resumed by prefilling it), never an adapter with a request still
   prefilling (live: the chunked request's adapter);
 - the pass walks the plan in the scheduler's order (smallest-WRS queue first), where the live hook can only filter
@@ -33,7 +33,6 @@ Choices of the simulator, each a departure from the live hook:
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from eval.sim.admission.base import BaseAdmission
@@ -65,10 +64,8 @@ class MultiQueueAdmission(BaseAdmission):
         sched_config = SchedConfig(total_tokens=system.kv_pool.num_slots, ttft_slo_s=config.ttft_slo_s,
                                    initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024,
                                                               max_rank=max_rank),
-                                   timing=timing, overdue_s=self.overdue_s(config),
-                                   slot_squash_share=config.slot_squash_share,
-                                   max_slot_squashes=config.max_slot_squashes,
-                                   slot_drain_share=config.slot_drain_share or math.inf)
+                                   timing=timing, slot_squash_share=config.slot_squash_share,
+                                   max_slot_squashes=config.max_slot_squashes)
         self.mq = MultiQueueScheduler(sched_config)
         self.max_cost = max((len(sr.prompt) + len(sr.output) for sr in requests), default=1)
         self.by_rid: dict[str, SimRequest] = {}
@@ -76,11 +73,6 @@ class MultiQueueAdmission(BaseAdmission):
         self.running_adapters: set[str | None] = set()  # those of the engine's batch (with a slot cap), per pass
         self.num_passes = 0
         self.num_requeued = 0
-
-    @staticmethod
-    def overdue_s(config) -> float:
-        """`SchedConfig.overdue_s`: never overdue (Chameleon's Algorithm 1)."""
-        return math.inf
 
     def on_arrival(self, sr: SimRequest, now: float) -> None:
         name = sr.req.adapter
@@ -107,12 +99,13 @@ class MultiQueueAdmission(BaseAdmission):
             sr = by_rid[r.rid]
             return len(sr.prompt) + loop.generated(sr)
 
-        squash = self.mq.slot_squash(now, {a: [sr.req.rid for sr in srs] for a, srs in running.items()}, cap,
-                                     recompute, self.system.residency.is_resident, excluded, self._prefetch)
+        squash = self.mq.slot_squashes.choose(now, {a: [sr.req.rid for sr in srs] for a, srs in running.items()},
+                                              cap, recompute, self.system.residency.is_resident, excluded,
+                                              self._prefetch)
         if squash is None:
             return
         loop.retract([by_rid[r.rid] for r in squash.victims])
-        self.mq.commit_slot_squash(squash)
+        self.mq.slot_squashes.commit(squash)
         self.running_adapters.discard(squash.adapter)
 
     def candidates(self, waiting: list[SimRequest], now: float, backlog: int) -> list[SimRequest]:
@@ -120,15 +113,10 @@ class MultiQueueAdmission(BaseAdmission):
         budget = max(0, min(system.admission_room(), self.cfg.chunk_tokens - backlog + self.max_cost))
         cap = self.cfg.max_loras_per_batch
         batch = self.mq.build_batch(now, budget, system.residency.is_resident, self._prefetch,
-                                    self.running_adapters if cap is not None else None, cap, self._adapter_tokens)
+                                    self.running_adapters if cap is not None else None, cap)
         self.num_passes += 1
         self.planned = [self.by_rid[r.rid] for r in batch]
         return self.planned
-
-    def _adapter_tokens(self, name: str) -> int:
-        """The token slots `name` takes when resident (the memory hold's backfill counts them)."""
-        res = self.system.residency
-        return res.entry(name).num_slots if name in res else 0
 
     def _prefetch(self, name: str) -> bool:
         """True if `name` is loading or a load started now; False if no room can be made for it now."""
@@ -152,14 +140,3 @@ class MultiQueueAdmission(BaseAdmission):
         assert queued == {sr.req.rid for sr in waiting}, "scheduler queues and the engine's waiting list differ"
         assert set(self.mq.running) | queued == set(self.by_rid), "a request left the scheduler unfinished"
 
-
-class MultiQueueOverdueAdmission(MultiQueueAdmission):
-    """The same scheduler with `--multilora-overdue-s` at half the TTFT SLO: a request that has used half its
-    slack goes before every queue, oldest first (sgl_multilora/sched/config.py)."""
-
-    name = "multiqueue-overdue"
-    SLO_SHARE = 0.5
-
-    @staticmethod
-    def overdue_s(config) -> float:
-        return MultiQueueOverdueAdmission.SLO_SHARE * config.ttft_slo_s
