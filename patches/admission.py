@@ -12,8 +12,16 @@ memory re-reads the running adapters and the scheduler re-queues what SGLang did
 
 from __future__ import annotations
 
+import logging
+from http import HTTPStatus
+
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
+from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+from sgl_multilora.admission_gate import InfeasibleRequest
+
+logger = logging.getLogger(__name__)
 
 
 def _scheduler_owner(scheduler):
@@ -55,8 +63,50 @@ def get_new_batch_prefill(original, self, running_batch):
             sched.after_pass({r.rid for r in taken})
     if mem is not None:
         new = plan.batch_to_run.reqs if plan.batch_to_run is not None else []
-        mem.set_running(_running(self, plan.running_batch) + list(new))
+        running = _running(self, plan.running_batch) + list(new)
+        mem.set_running(running)
+        mem.after_prefill_pass(len(new), len(running), self.waiting_queue)
     return plan
+
+
+def init_req_max_new_tokens(original, self, req):
+    """AROUND `Scheduler.init_req_max_new_tokens(req)`, where SGLang clips a new request's generation to what the
+    empty pool holds: with the unified pool, a request on an adapter is measured against the pool less the
+    adapter's slots. One that can never fit there is finished at once with HTTP 400 naming the sizes (it is never
+    queued, so no hold waits on it); one that set no max_new_tokens has its generation clipped to what fits beside
+    its adapter, as SGLang clips a base request's."""
+    unset = req.sampling_params.max_new_tokens is None
+    original(self, req)
+    mem = process_state().memory
+    if mem is None or req.lora_id is None or req.finished() or getattr(req, "to_finish", None) is not None:
+        return
+    identity = process_state().adapters.identity(req.lora_id)
+    if identity is None or identity not in mem.residency:
+        return  # unknown adapters are answered by ingress with HTTP 400
+    prompt_len, params = len(req.origin_input_ids), req.sampling_params
+    if unset:
+        params.max_new_tokens = max(0, min(params.max_new_tokens, mem.max_new_beside(identity, prompt_len)))
+    spec = process_state().adapters.spec(req.lora_id)
+    name = spec.name if spec is not None else req.lora_id
+    try:
+        mem.check_request(name, identity, prompt_len, min(params.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+    except InfeasibleRequest as e:
+        req.multilora_refusal = str(e)  # answered by `refuse_infeasible` instead of being queued
+
+
+def refuse_infeasible(original, self, req, *args, **kwargs):
+    """AROUND `Scheduler._add_request_to_queue(req)`: a request `init_req_max_new_tokens` found can never fit is
+    answered with HTTP 400 now, as SGLang answers a request its full queue refuses, and never queued."""
+    message = getattr(req, "multilora_refusal", None)
+    if message is None:
+        return original(self, req, *args, **kwargs)
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    logger.warning("sgl_multilora: request %s refused: %s", req.rid, message)
+    reason = {"type": "abort", "status_code": HTTPStatus.BAD_REQUEST, "message": message}
+    self.send_abort_output(_make_abort_req(req, finished_reason=reason), req)
+    self._release_aborted_request(req)
+    return None
 
 
 def prefill_adder_init(result, self, *args, **kwargs):
@@ -65,13 +115,15 @@ def prefill_adder_init(result, self, *args, **kwargs):
 
 
 def can_schedule_lora_req(original, self, req, running_loras):
-    sched = process_state().scheduler
+    sched, mem = process_state().scheduler, process_state().memory
     if sched is not None and not sched.allows(req):
+        if mem is not None:
+            mem.gate.refusals[req.rid] = "outside the multi-queue scheduler's plan for this pass"
         return False  # outside this pass's plan: keeps its place, and no adapter is loaded for it
-    mem = process_state().memory
     if not original(self, req, running_loras):
         if mem is not None:  # SGLang's per-batch adapter limit (or its LoRA drainer) kept the adapter out
             mem.num_lora_batch_skips += 1
+            mem.gate.refusals[req.rid] = "SGLang's adapters-per-batch limit (--max-loras-per-batch)"
         return False
     if mem is None:
         return True
@@ -80,7 +132,8 @@ def can_schedule_lora_req(original, self, req, running_loras):
         return True  # unknown adapters are answered by ingress with HTTP 400
     adder = getattr(process_state().building, "adder", None)
     budget = None if adder is None else int(adder.memory_budget.remaining_total)
-    if not mem.admit(req.rid, identity, budget):
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    if not mem.admit(req.rid, identity, budget, len(req.origin_input_ids) + len(req.output_ids), max_new):
         return False
     if identity is not None:
         mem.residency.acquire(identity)  # pinned until the pass ends and the counts are read off the batches
@@ -99,8 +152,8 @@ def add_one_req(original, self, req, *args, **kwargs):
 
 def add_request_to_queue(result, self, req, *args, **kwargs):
     """AFTER `Scheduler._add_request_to_queue`: the request's adapter counts as a visit for the eviction policy;
-    the multi-queue scheduler queues it (or re-queues one SGLang retracted)."""
-    if req.finished():
+    the multi-queue scheduler queues it (or re-queues one SGLang retracted); a refused request is neither."""
+    if req.finished() or getattr(req, "multilora_refusal", None) is not None:
         return
     lora_id = getattr(req, "lora_id", None)
     identity = process_state().adapters.identity(lora_id) if lora_id is not None else None

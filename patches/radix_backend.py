@@ -66,8 +66,7 @@ class MultiLoRARadixCache(RadixCache):
             host_kv_gb = flags.current().host_kv_gb
             if host_kv_gb > 0:
                 self.host = self.memory.host = LiveHostTier(self.memory, host_kv_gb * 1e9)
-            logger.info("sgl_multilora: one pool for adapters and KV: %d slots of %d B, eviction policy %s",
-                        allocator.pool.num_slots, allocator.pool.slot_bytes, self.memory.policy.name)
+            logger.info("sgl_multilora: %s", self.memory.capacity_line())
         lora_pool_layers.check_memory(self.memory)
 
     # ---- keys -------------------------------------------------------------------------------------------------

@@ -51,10 +51,17 @@ from sgl_multilora.patches.state import process_state
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sgl_multilora.adapters import LoadedAdapter
+from sgl_multilora.admission_gate import (
+    AdmissionGate,
+    check_adapter,
+    check_request,
+    longest_request_beside,
+    max_new_beside,
+)
 from sgl_multilora.keys import MatchKey
 from sgl_multilora.policy import create_policy
 from sgl_multilora.policy.usage import UsageStats
-from sgl_multilora.pool import ExceedsPoolError, SlotRuns, UnifiedPool
+from sgl_multilora.pool import SlotRuns, UnifiedPool
 from sgl_multilora.residency import AdapterResidency
 from sgl_multilora.slot_layout import min_run as shortest_run, place, slots_needed
 from sgl_multilora.swapper import WANTED_KV_SCAN, Swapper
@@ -67,10 +74,7 @@ logger = logging.getLogger(__name__)
 INITIAL_RECOMPUTE_S_PER_TOKEN = 1e-3
 INITIAL_COPY_BYTES_PER_S = 2e9  # host -> pool copy, replaced by the measured rate after the first load
 EMA = 0.2
-# A request kept out this long because its adapter could not be made resident holds the admission of every request
-# queued after it, so that running requests drain and free the memory it needs (no starvation under a steady stream
-# of requests for resident adapters).
-STARVATION_S = 2.0
+STALL_LOG_REQUESTS = 8  # waiting requests a stall's log line names
 
 
 class UnifiedTokenAllocator(TokenToKVPoolAllocator):
@@ -184,12 +188,7 @@ class LiveMemory:
         self._lora_ids: dict[str, set[str]] = {}  # identity -> the engine's ids that name it
         self._pending_removal: set[str] = set()
         self._prefill_started: float | None = None
-        self._skipped_since: dict[str, float] = {}  # rid -> when its adapter first could not be made resident
-        self._starving: str | None = None  # the oldest such rid past STARVATION_S
-        self.num_skipped_admissions = 0  # admission passes that skipped a request while its adapter came in
-        self.num_starvation_holds = 0
-        self.num_budget_stops = 0  # passes ended by a request whose resident adapter's pin did not fit the budget
-        self._pass_full = False
+        self.gate = AdmissionGate(self.residency, self.swapper)
         self.num_lora_batch_skips = 0  # passes that skipped a request: SGLang's batch had no room for its adapter
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
@@ -200,11 +199,10 @@ class LiveMemory:
     # ---- adapters (load / unload) ---------------------------------------------------------------------------
 
     def check_fits(self, adapter: LoadedAdapter) -> None:
-        """Raises ExceedsPoolError naming the adapter's size and the pool's for an adapter larger than the pool."""
+        """Raises `InfeasibleAdapter` (an ExceedsPoolError) naming the adapter's size and the pool's when the adapter
+        leaves no room beside it for the smallest request."""
         n = slots_needed(_shapes(adapter), self.half_elems)
-        if n > self.pool.num_slots:
-            raise ExceedsPoolError(f"LoRA adapter '{adapter.spec.name}'", n, self.pool.num_slots,
-                                   self.pool.slot_bytes)
+        check_adapter(adapter.spec.name, n, self.pool.num_slots, self.pool.slot_bytes)
 
     def register(self, lora_id: str, adapter: LoadedAdapter) -> None:
         """Keeps `adapter`'s host copy under its identity (absent until a request or a prefetch loads it)."""
@@ -216,9 +214,7 @@ class LiveMemory:
             return
         shapes = _shapes(adapter)
         n = slots_needed(shapes, self.half_elems)
-        if n > self.pool.num_slots:
-            raise ExceedsPoolError(f"LoRA adapter '{adapter.spec.name}'", n, self.pool.num_slots,
-                                   self.pool.slot_bytes)
+        check_adapter(adapter.spec.name, n, self.pool.num_slots, self.pool.slot_bytes)
         self._host[identity], self._shapes[identity] = adapter, shapes
         self.residency.add(identity, n)
         self.usage.add_adapter(identity, n * self.pool.slot_bytes)
@@ -345,49 +341,43 @@ class LiveMemory:
     def ensure_resident(self, identity: str, budget: int | None) -> bool:
         """True once the adapter is resident; otherwise makes room (at most `budget` slots of the pass's prefill
         budget may go to it) and starts the copy. False means "not now": the request waits for a later pass."""
-        res = self.residency
-        if res.is_resident(identity):
-            return True
-        self.swapper.poll_loads()
-        if res.is_resident(identity) or res.is_loading(identity):
-            return res.is_resident(identity)
-        if budget is not None and res.entry(identity).num_slots > budget:
-            self.num_skipped_admissions += 1
-            return False
-        if self.swapper.load(identity):
-            self.swapper.poll_loads()
-        if not res.is_resident(identity):
-            self.num_skipped_admissions += 1
-        return res.is_resident(identity)
+        return self.gate.ensure_resident(identity, budget)
 
-    def _pin_fits(self, identity: str, budget: int | None) -> bool:
-        """Whether a request may start on the resident adapter within `budget`. An adapter no request runs on
-        counts in SGLang's `evictable_size`, so pinning it for a request takes its slots out of the pass's prefill
-        budget, room the requests admitted earlier in the pass may have reserved: it must fit what is left."""
-        return (budget is None or not self.swapper.adapter_reclaimable(identity)
-                or self.residency.entry(identity).num_slots <= budget)
+    def admit(self, rid: str, identity: str | None, budget: int | None, prompt_len: int = 0,
+              max_new: int = 0) -> bool:
+        """The admission decision for one waiting request of `prompt_len` tokens that may generate `max_new`, on a
+        resident-or-not adapter (None: the base model): `AdmissionGate.admit` (the starvation and idle holds; a
+        request whose resident adapter's pin does not fit the pass's budget ends the pass as SGLang's own "no
+        room" does)."""
+        return self.gate.admit(rid, identity, budget, prompt_len, max_new)
 
-    def admit(self, rid: str, identity: str, budget: int | None) -> bool:
-        """The admission decision for one waiting request on a resident-or-not adapter (None: the base model):
-        `ensure_resident`, with the starvation rule (`STARVATION_S`): while a request has been kept out too long,
-        no other request is admitted. A request on a resident adapter whose pin does not fit the pass's budget
-        ends the pass as SGLang's own "no room" does (no later request overtakes it; not a starvation skip)."""
-        if self._pass_full or (self._starving is not None and rid != self._starving):
-            return False
-        if identity is not None and self.residency.is_resident(identity) and not self._pin_fits(identity, budget):
-            self._pass_full = True
-            self.num_budget_stops += 1
-            return False
-        if identity is None or self.ensure_resident(identity, budget):
-            self._skipped_since.pop(rid, None)
-            if rid == self._starving:
-                self._starving = None
-            return True
-        since = self._skipped_since.setdefault(rid, time.monotonic())
-        if self._starving is None and time.monotonic() - since > STARVATION_S:
-            self._starving = rid
-            self.num_starvation_holds += 1
-        return False
+    def adapter_slots(self, identity: str) -> int:
+        """Slots the adapter takes when resident (KeyError for one not registered)."""
+        return self.residency.entry(identity).num_slots
+
+    def check_request(self, name: str, identity: str, prompt_len: int, max_new: int) -> None:
+        """Raises `InfeasibleRequest` (naming the adapter's slots, the request's tokens and the pool's slots) for a
+        request that can never be admitted beside its adapter."""
+        check_request(name, self.adapter_slots(identity), prompt_len, max_new, self.pool.num_slots)
+
+    def max_new_beside(self, identity: str, prompt_len: int) -> int:
+        """The most new tokens a request of `prompt_len` on the adapter can ever be admitted with (negative: its
+        prompt alone does not fit)."""
+        return max_new_beside(self.pool.num_slots, self.adapter_slots(identity), prompt_len)
+
+    def capacity_line(self) -> str:
+        """What the pool holds, for the start-up log: slots, bytes, the largest adapter and the longest request
+        beside it."""
+        pool, res = self.pool, self.residency
+        line = (f"one pool for adapters and KV: {pool.num_slots} slots of {pool.slot_bytes} B "
+                f"({pool.num_slots * pool.slot_bytes / 2**20:.1f} MiB), eviction policy {self.policy.name}")
+        ids = list(res.ids())
+        if not ids:
+            return line + "; no adapter registered yet"
+        largest = max(ids, key=lambda i: res.entry(i).num_slots)
+        n = res.entry(largest).num_slots
+        return (line + f"; the largest adapter ({self._host[largest].spec.name!r}) takes {n} slots, the longest "
+                f"request beside it {longest_request_beside(pool.num_slots, n)} tokens (prompt + new)")
 
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
@@ -412,17 +402,34 @@ class LiveMemory:
         self.usage.record_request(identity, self.swapper.tree.clock())
 
     def before_prefill_pass(self, reqs, waiting_rids: set[str]) -> None:
-        self._pass_full = False
-        for rid in [r for r in self._skipped_since if r not in waiting_rids]:  # admitted elsewhere or aborted
-            del self._skipped_since[rid]
-        if self._starving not in self._skipped_since:
-            self._starving = None
+        self.gate.begin_pass(waiting_rids)
         if self.host is not None:
             self.host.prune(waiting_rids)
         self._remove_pending()
         self.set_running(reqs)
         self.swapper.tick(time.monotonic())
         self._prefill_started = time.perf_counter()
+
+    def after_prefill_pass(self, num_admitted: int, num_running: int, waiting_reqs) -> None:
+        """The pass's outcome for the gate's progress rules; logs a stall (`AdmissionGate.end_pass`) naming the
+        waiting requests' adapters, sizes and what keeps each out, with the pool's state."""
+        report = self.gate.end_pass(num_admitted, num_running, len(waiting_reqs))
+        if report is None:
+            return
+        registry, res = process_state().adapters, self.residency
+        lines = []
+        for req in list(waiting_reqs)[:STALL_LOG_REQUESTS]:
+            identity = registry.identity(req.lora_id) if req.lora_id is not None else None
+            slots = res.entry(identity).num_slots if identity in res else 0
+            spec = registry.spec(req.lora_id) if req.lora_id is not None else None
+            name = "the base model" if req.lora_id is None else (spec.name if spec is not None else req.lora_id)
+            reason = report["refusals"].get(req.rid, "not taken by SGLang's own admission (its prefill budget or "
+                                                     "request caps)")
+            lines.append(f"{req.rid[:12]} on {name} ({slots} adapter slots, {len(req.origin_input_ids)} prompt + "
+                         f"{req.sampling_params.max_new_tokens} new tokens): {reason}")
+        logger.warning("sgl_multilora: %d requests have waited %.1f s with nothing running or loading (stall %d); "
+                       "pool slots %s; %s", len(waiting_reqs), report["stalled_s"], self.gate.counters.stalls,
+                       self.pool.by_kind(), "; ".join(lines))
 
     def after_step(self, batch) -> None:
         """Batch size and measured recompute cost (prefill seconds per token) for the policy."""
@@ -515,10 +522,11 @@ class LiveMemory:
                                           "state": self.residency.entry(i).state.value, "identity": i[:16]}
                 for i in self.residency.ids()},
             "swapper": self.swapper.stats(),
-            "skipped_admissions": self.num_skipped_admissions,
-            "starvation_holds": self.num_starvation_holds,
+            "skipped_admissions": self.gate.counters.skipped_admissions,
+            "starvation_holds": self.gate.counters.starvation_holds,
+            "admission": self.gate.stats(),
             "lora_batch_skips": self.num_lora_batch_skips,
-            "budget_stops": self.num_budget_stops,
+            "budget_stops": self.gate.counters.budget_stops,
             "copy_bytes_per_s": self.copy_bytes_per_s,
             "recompute_s_per_token": self.usage.kv_reload_s_per_token,
             "prefill_tokens": self.num_prefill_tokens,

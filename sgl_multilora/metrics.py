@@ -9,7 +9,8 @@ they sit on a path of their own: scrape both.
 Every series has a `rank` label (the scheduler's index). Gauges: KV slots by state, requests running / waiting,
 loaded adapters, the unified pool's bytes by kind, resident / registered adapters, invalid KV slots, the tree's
 tokens, the multi-queue's queued requests. Counters (`_total`): tree matches, hits and reused tokens by kind,
-evictions and evicted slots by kind, adapter loads by cause, refused loads.
+evictions and evicted slots by kind, adapter loads by cause, refused loads, starvation holds and stalls (the
+admission watchdog's; a gauge says how long the current one has lasted).
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ class _Collector:
                         swapper.get("refused_loads"))
                 counter("unreachable_runs", "Refused loads no eviction could give one run (nothing evicted)", r,
                         swapper.get("unreachable_runs"))
+                admission = pool.get("admission") or {}
+                counter("admission_holds", "Starvation holds: a request memory kept out too long goes first", r,
+                        admission.get("starvation_holds"))
+                counter("admission_stalls", "Stalls: requests waiting with nothing running for the watchdog's "
+                        "threshold", r, admission.get("stalls"))
+                gauge("admission_stalled_seconds", "How long the current stall has lasted (0: none)", r,
+                      admission.get("stalled_s"))
             sched = m.get("scheduler")
             if sched:
                 gauge("queued_requests", "Requests in the multi-queue scheduler's queues", r, sched.get("num_queued"))

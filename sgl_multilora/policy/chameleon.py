@@ -44,7 +44,8 @@ class ChameleonPolicy(BasePolicy):
         ctx = self.context
         f = min(1.0, ctx.visits(item) / ctx.max_visits())
         r = math.exp(-max(0.0, now - item.last_access) / self.tau_s)
-        s = min(1.0, ctx.size_bytes(item) / ctx.max_size_bytes())
+        largest = ctx.max_size_bytes()  # 0 while no adapter is registered (a base-only server): no size term
+        s = min(1.0, ctx.size_bytes(item) / largest) if largest > 0 else 0.0
         return f, r, s
 
     def score(self, item: object, now: float) -> float:

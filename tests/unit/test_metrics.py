@@ -16,6 +16,7 @@ MEMORY = {
         "swapper": {"kv_evictions": 5, "kv_evicted_slots": 50, "adapter_evictions": 2, "adapter_evicted_slots": 20,
                     "adapter_loads": 9, "prefetches": 4, "refused_loads": 1, "invalid_kv_slots": 0,
                     "kv_evicted_slots_by_age": [30, 15, 5, 0]},
+        "admission": {"starvation_holds": 2, "stalls": 1, "stalled_s": 6.5},
     },
     "scheduler": {"num_queued": 3},
 }
@@ -46,6 +47,9 @@ def test_every_figure_is_a_sample_with_its_rank():
     assert got[("sgl_multilora_refused_loads_total", r)] == 1
     assert got[("sgl_multilora_invalid_kv_slots", r)] == 0
     assert got[("sgl_multilora_queued_requests", r)] == 3
+    assert got[("sgl_multilora_admission_holds_total", r)] == 2
+    assert got[("sgl_multilora_admission_stalls_total", r)] == 1
+    assert got[("sgl_multilora_admission_stalled_seconds", r)] == 6.5
     assert got[("sgl_multilora_tree_hit_tokens_total", (("kind", "alora_base_prefix"), *r))] == 120
     assert got[("sgl_multilora_tree_evicted_tokens_total", r)] == 77
     assert not [k for k in got if ("rank", "1") in k[1]], "the second scheduler reported nothing"

@@ -159,6 +159,16 @@ def test_chameleon_score_hand_computed():
     assert pol.score(big, 100.0) == pytest.approx(1.0)
 
 
+def test_chameleon_scores_kv_on_a_server_with_no_adapter_registered():
+    """A base-only server: no adapter size to normalise by, so the size term is 0 (it divided by zero)."""
+    u = UsageStats({}, 10, 1e-3, lambda num_bytes: num_bytes * 1e-9)
+    tree = LoraRadixTree(clock=lambda: 5.0)
+    tree.insert(MatchKey(Namespace("m"), None, [1, 2, 3]), [0, 1, 2])
+    (leaf,) = tree.evictable_leaves()
+    f, r, s = ChameleonPolicy(u).terms(leaf, 5.0)
+    assert s == 0.0 and f == 1.0 and r == 1.0
+
+
 def test_registry_and_errors():
     ctx = FixedContext(1, 1.0)
     assert isinstance(create_policy("lru"), LruPolicy)
