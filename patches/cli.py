@@ -30,15 +30,15 @@ def from_cli_args(original, cls, args):
     ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
                                and not getattr(args, "disable_radix_cache", False))
     if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):
-        raise ValueError("--multilora-host-kv-gb needs --radix-cache-backend multilora with --multilora-memory "
-                         "unified (the host tier holds what the unified pool evicts)")
+        raise ValueError("--multilora-host-kv-gb needs --radix-cache-backend multilora and the unified pool (not "
+                         "--multilora-stock-baseline memory): the host tier holds what the unified pool evicts")
     if (ours.radix_backend and not ours.cpu_overlap and getattr(args, "device", None) == "cpu"
             and not getattr(args, "disable_overlap_schedule", True)):
         # The overlap loop defers each batch's results behind the next batch's forward; on a CPU that forward runs
         # synchronously in this thread, so nothing overlaps and every first token waits one more decode step.
         logger.warning("sgl_multilora: overlap scheduler disabled on --device cpu (nothing runs concurrently with "
                        "the forward there; overlapping only delays each batch's results by one step; "
-                       "--multilora-cpu-overlap keeps it)")
+                       "--multilora-stock-baseline cpu-overlap keeps it)")
         args.disable_overlap_schedule = True
     flags.export(ours)
     return original(cls, args)

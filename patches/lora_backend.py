@@ -189,7 +189,7 @@ class MultiLoRABackend(BaseLoRABackend):
         if self.impl == "flashinfer":
             raise RuntimeError("--multilora-lora-ops flashinfer reads SGLang's stacked slot buffers, which the unified "
                                "pool replaces; use --multilora-lora-ops triton (or auto) with the pool, or "
-                               "--multilora-memory separate")
+                               "--multilora-stock-baseline memory")
         self.pool_modules = {}
         for m in modules:
             self.pool_modules[m.a_ptr] = self.pool_modules[m.b_ptr] = m

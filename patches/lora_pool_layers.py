@@ -47,7 +47,7 @@ def allocate_placeholders(pool, base_model) -> None:
     pool._num_experts_local = pool._get_num_local_experts(base_model)
     if pool._has_moe_module(base_model):
         raise RuntimeError("sgl_multilora: the unified pool does not hold MoE LoRA weights; pass "
-                           "--multilora-memory separate (SGLang's slot buffers) for this model")
+                           "--multilora-stock-baseline memory (SGLang's slot buffers) for this model")
     device = next(base_model.parameters()).device
     for module in sorted(pool.target_modules):
         for buffers, shape_of in ((pool.A_buffer, pool.get_lora_A_shape), (pool.B_buffer, pool.get_lora_B_shape)):
@@ -146,12 +146,12 @@ def check_memory(memory) -> None:
         return
     if memory is None:
         raise RuntimeError("sgl_multilora: the unified pool needs page size 1 and an MHA KV pool (SGLang's "
-                           "TokenToKVPoolAllocator); pass --page-size 1 or --multilora-memory separate")
+                           "TokenToKVPoolAllocator); pass --page-size 1 or --multilora-stock-baseline memory")
     dtype = next(iter(backend.pool_modules.values())).dtype
     if memory.dtype != dtype:
         raise RuntimeError(f"sgl_multilora: the unified pool holds adapters in the KV cache's dtype ({memory.dtype}) "
                            f"but the LoRA layers compute in {dtype}; pass --kv-cache-dtype auto or "
-                           "--multilora-memory separate")
+                           "--multilora-stock-baseline memory")
 
 
 # ---- hooks (see hook_table.py) -------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def start_server(model_path: str, extra_args: list[str], name: str, *, max_total
     max_total_tokens = max_total_tokens or int(os.environ.get("MULTILORA_TEST_MAX_TOKENS", "8192"))
     args = cpu_server_args(max_total_tokens=max_total_tokens)
     if overlap or os.environ.get("MULTILORA_TEST_OVERLAP") == "1":
-        args = [a for a in args if a != "--disable-overlap-schedule"] + ["--multilora-cpu-overlap"]
+        args = [a for a in args if a != "--disable-overlap-schedule"] + ["--multilora-stock-baseline", "cpu-overlap"]
     handle = launch(
         model_path,
         [*args, *extra_args],

@@ -5,7 +5,7 @@ Arms (one server each, started one after the other, the same device pool of `--p
 - `none`: LoRA enabled for the same ranks and target modules, no adapter loaded;
 - `unified`: the random PEFT adapters of the unified-memory benchmark (`--multilora-adapter-dir`), the tree and the
   unified pool: adapters live in KV slots, the process keeps one host copy of each;
-- `separate`: the same with `--multilora-memory separate` (each adapter in its own tensors, for comparison).
+- `separate`: the same with `--multilora-stock-baseline memory` (each adapter in its own tensors, for comparison).
 In every arm the KV pool is first filled once with base prompts (distinct token ids, more tokens than the pool
 holds, so every slot has been written): a buffer's pages count in RSS once written, and the unified arm writes
 adapters into pool pages, so every arm's pool is written whole before anything is read (SGLang zero-fills its CPU
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
         "none": [*lora, "--enable-lora", "--lora-target-modules", *modules, "--radix-cache-backend", "multilora"],
         "unified": [*lora, "--multilora-adapter-dir", str(adapters_dir), "--radix-cache-backend", "multilora"],
         "separate": [*lora, "--multilora-adapter-dir", str(adapters_dir), "--radix-cache-backend", "multilora",
-                     "--multilora-memory", "separate"],
+                     "--multilora-stock-baseline", "memory"],
     }
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,9 @@
     run in turn each round (the machine may be shared), median (min-max) over rounds. `--pad-rows` also times ours
     with other values of the grouping constant `PAD_ROWS_PER_CALL`.
 (b) `server` (with --server): two real CPU servers of one build (the embedded SmolLM2-135M, fp32, no adapters)
-    that differ only in `--multilora-decode-attention`. Per round and server (order alternating, cache flushed):
-    `--streams` greedy streams of `--tokens` tokens with prompts of mixed lengths sent at once; their median time
-    per output token, the wall time, and whether the greedy tokens are equal between the servers.
+    that differ only in `--multilora-stock-baseline decode-attention`. Per round and server (order alternating,
+    cache flushed): `--streams` greedy streams of `--tokens` tokens with prompts of mixed lengths sent at once; their
+    median time per output token, the wall time, and whether the greedy tokens are equal between the servers.
 
     .venv/bin/python -m eval.bench.cpu_decode [--rounds 10] [--server] [--out eval/results/cpu_decode/cpu_decode.jsonl]
 """
@@ -131,8 +131,8 @@ def bench_server(args) -> dict:
     servers, out = {}, []
     try:
         for mode in MODES:
-            servers[mode] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens),
-                                           "--multilora-decode-attention", mode],
+            stock = ["--multilora-stock-baseline", "decode-attention"] if mode == "stock" else []
+            servers[mode] = launch(model, [*cpu_server_args(max_total_tokens=args.pool_tokens), *stock],
                                    log_path=log_dir / f"cpu_decode_{mode}.log")
 
         def burst(url: str, tag: str) -> dict:
@@ -186,9 +186,9 @@ def report(record: dict) -> str:
     if server:
         r = server[0]
         rounds = r["rounds"]
-        lines += ["", f"Live servers (no adapters, `--multilora-decode-attention` stock / ours): {r['streams']} greedy "
-                  f"streams of {r['tokens']} tokens sent at once, prompts of {min(r['prompt_words'])}-"
-                  f"{max(r['prompt_words'])} words; {len(rounds)} rounds, servers alternating.", "",
+        lines += ["", "Live servers (no adapters, `--multilora-stock-baseline decode-attention` / ours): "
+                  f"{r['streams']} greedy streams of {r['tokens']} tokens sent at once, prompts of "
+                  f"{min(r['prompt_words'])}-{max(r['prompt_words'])} words; {len(rounds)} rounds, servers alternating.", "",
                   "| server | median TPOT ms | burst wall s |", "|---|---|---|"]
         for mode in MODES:
             lines.append(f"| {mode} | {median_range((x[mode]['tpot_s'] * 1e3 for x in rounds), '{:.1f}')} | "

@@ -157,7 +157,8 @@ def bench_server(model_path: str, prompt_len: int, new_len: int, trials: int) ->
     server_args = cpu_server_args(max_total_tokens=8192)
     checks, records = {}, []
     for mode in MODES:
-        server = launch(model_path, [*server_args, "--multilora-extend-attention", mode],
+        stock = ["--multilora-stock-baseline", "extend-attention"] if mode == "stock" else []
+        server = launch(model_path, [*server_args, *stock],
                         log_path=f"/tmp/bench_cpu_extend_{mode}.log")
         try:
             generate(server.url, prompt_ids(tokenizer, 64, tag=999), 1)  # warm-up

@@ -1,11 +1,11 @@
-"""SGLang's overlap scheduler on a CPU server: on (SGLang's default; `--multilora-cpu-overlap`) against off (the
-plugin's default on a CPU, as `--disable-overlap-schedule`).
+"""SGLang's overlap scheduler on a CPU server: on (SGLang's default; `--multilora-stock-baseline cpu-overlap`) against
+off (the plugin's default on a CPU, as `--disable-overlap-schedule`).
 
 The overlap loop runs batch N+1's forward before it processes batch N's results, so that on a GPU the scheduler's
 CPU work hides behind the device's. On a CPU the forward runs synchronously in the scheduler's own thread: nothing
 overlaps, and each batch's results (a prefill's first token, a decode step's tokens) reach the client one forward
-later. The plugin therefore turns it off on a CPU (`--multilora-cpu-overlap` keeps it); this measures what that
-saves on two live servers of one build that differ only in that flag: `--radix-cache-backend multilora`, the
+later. The plugin therefore turns it off on a CPU (`--multilora-stock-baseline cpu-overlap` keeps it); this measures
+what that saves on two live servers of one build that differ only in that flag: `--radix-cache-backend multilora`, the
 embedded SmolLM2-135M in fp32, the multi-queue workload's random PEFT adapters (ranks 8 to 128 on q/k/v/o),
 `--max-loras-per-batch 8`.
 
@@ -32,7 +32,7 @@ from eval.bench.results import median_range, run_record, save
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "eval" / "results" / "cpu_overlap" / "cpu_overlap.jsonl"
-ARMS = {"overlap": ["--multilora-cpu-overlap"], "no-overlap": []}
+ARMS = {"overlap": ["--multilora-stock-baseline", "cpu-overlap"], "no-overlap": []}
 
 
 def stream(url: str, text: str, adapter: str, new_tokens: int) -> dict:
@@ -118,7 +118,7 @@ def report(record: dict) -> str:
     rounds = r["rounds"]
     lines = [f"# SGLang's overlap scheduler on a CPU server: on vs off ({record['date'][:10]})", "",
              f"Two servers of one build (`--radix-cache-backend multilora`), the same flags but "
-             f"`--multilora-cpu-overlap` (SGLang's overlap scheduler kept on) in the `overlap` arm: "
+             f"`--multilora-stock-baseline cpu-overlap` (SGLang's overlap scheduler kept on) in the `overlap` arm: "
              f"the embedded SmolLM2-135M in fp32, {s['pool_tokens']} token slots, {len(r['adapters'])} random PEFT "
              f"adapters (ranks 8 to 128 on q/k/v/o), `--max-loras-per-batch 8`. Per round and arm: {r['probes']} "
              f"probes (~100-token prompt, 4 greedy tokens) one at a time (`alone`), then the same 0.5 s apart while "

@@ -7,8 +7,8 @@ whole run (the idle one sleeps), measured in turn with the order alternating per
 - `stock`: SGLang's own prefix cache (`RadixCache`, each adapter its own `extra_key` namespace, so an aLoRA check
   shares no KV with the base turn it checks), with sgl_multilora's CPU LoRA compute and extend attention underneath
   (SGLang's LoRA layers do not reach the CPU model path, so a CPU "stock" arm needs them);
-- `ours`: the same plus `--radix-cache-backend multilora --multilora-memory separate` (the LoRA-aware tree; adapter
-  weights stay outside the KV budget, as in the stock arm, so both trees get the same token slots).
+- `ours`: the same plus `--radix-cache-backend multilora --multilora-stock-baseline memory` (the LoRA-aware tree;
+  adapter weights stay outside the KV budget, as in the stock arm, so both trees get the same token slots).
 
 Workload, the same for both arms: `--documents` documents of about `--document-tokens` tokens. A round visits every
 document (shuffled per round) with two jobs: a chain (a base turn summarising the document, then an aLoRA check of
@@ -154,7 +154,7 @@ def start_arm(arm, model_path, args):
     extra = ["--enable-lora", "--multilora-adapter-dir", str(args.adapters_dir), "--max-loras-per-batch", "4",
              "--max-lora-rank", "32", "--chunked-prefill-size", str(args.chunked_prefill_size)]
     if arm == "ours":
-        extra += ["--radix-cache-backend", "multilora", "--multilora-memory", "separate"]
+        extra += ["--radix-cache-backend", "multilora", "--multilora-stock-baseline", "memory"]
     log_dir = REPO / ".cache" / "bench_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     return launch(model_path, [*cpu_server_args(args.max_total_tokens), *extra],
@@ -216,7 +216,7 @@ def main(argv=None):
     record = {
         "setup": {**setup, "working_set_tokens": working_set(tokenizer, docs, manifest), "arms": {
             "stock": "SGLang's RadixCache; sgl_multilora CPU LoRA compute and extend attention",
-            "ours": "stock + --radix-cache-backend multilora --multilora-memory separate"},
+            "ours": "stock + --radix-cache-backend multilora --multilora-stock-baseline memory"},
             "protocol": "both servers up (idle one sleeps); repeats alternate the arm order; cache flushed per "
                         "repeat; the same job order for both arms within a repeat"},
         "device": {"processor": platform.processor(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,

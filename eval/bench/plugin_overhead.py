@@ -9,7 +9,7 @@ Arms, all `sgl_multilora.server.cpu_server_args()` on the embedded SmolLM2-135M 
 - `plugin`: the plugin with its default flags (SGLang's own prefix cache);
 - `plugin+tree`: plus `--radix-cache-backend multilora`;
 - `plugin+tree:stock-attention` (only when named in `--arms`): plus
-  `--multilora-extend-attention stock`.
+  `--multilora-stock-baseline extend-attention`.
 
 Workload: SGLang's own `python -m sglang.bench_serving --backend sglang --dataset-name random-ids`
 (default: 16 prompts, input length 384, output length 24, 2 requests/s), read from its
@@ -96,7 +96,7 @@ ARMS: dict[str, Arm] = {
         Arm("plugin+tree", ("--radix-cache-backend", "multilora"), tree=True),
         Arm(
             "plugin+tree:stock-attention",
-            ("--radix-cache-backend", "multilora", "--multilora-extend-attention", "stock"),
+            ("--radix-cache-backend", "multilora", "--multilora-stock-baseline", "extend-attention"),
             tree=True,
         ),
     )

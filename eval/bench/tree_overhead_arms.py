@@ -5,9 +5,9 @@ Not here: the request stream, the repeats and the report (`tree_overhead.py`).
 Each arm owns a `ReqToTokenPool`, an `MHATokenToKVPool` (1 layer, 1 head of dim 8: the buffers are not the point)
 and a token allocator of `kv_tokens` slots, and one cache:
 - `stock`: SGLang's `RadixCache`; a request's adapter is its `extra_key` (`Req(lora_id=...)` makes it so);
-- `ours`: `MultiLoRARadixCache` (`--radix-cache-backend multilora --multilora-memory separate`), requests built
+- `ours`: `MultiLoRARadixCache` (`--radix-cache-backend multilora --multilora-stock-baseline memory`), requests built
   through the strict ingress hook as in the server;
-- `ours:unified`: the same over `UnifiedTokenAllocator` (`--multilora-memory unified`): adapters take KV slots,
+- `ours:unified`: the same over `UnifiedTokenAllocator` (the default with the tree): adapters take KV slots,
   made resident at admission by `LiveMemory` and evicted with the KV; the plugin's admission hooks are called
   where the scheduler calls them (arrival, before / during / after each admission pass, after each step).
 

@@ -17,7 +17,7 @@
     pool evicted by the benchmark's `--policy`), `ours-mq` (`ours` with the multi-queue scheduler and its TTFT SLO);
   - `-cap<N>`: `--max-loras-per-batch N` instead of the common cap (a stock arm's KV shrinks or grows with it);
   - `-hold<X>` (ours-mq): `--multilora-memory-hold-share X` (0: never hold);
-  - `-nomove` (ours, ours-mq): `--multilora-disable-kv-moves`; `-host<GB>` (ours, ours-mq): a host KV tier of GB
+  - `-nomove` (ours, ours-mq): `--multilora-stock-baseline kv-moves`; `-host<GB>` (ours, ours-mq): a host KV tier of GB
     (`--multilora-host-kv-gb`: more memory than the other arms, which the report names);
   - `-drain` (any, last): SGLang's LoRA drainer (`--lora-drain-wait-threshold`, the benchmark's `--drain-wait-s`).
 Not here: sending the workload (driver.py), SGLang's bench_serving (bench_serving.py), the adapters (adapters.py).
@@ -181,7 +181,7 @@ def split_hold(name: str) -> tuple[str, float | None]:
 
 
 def no_kv_moves(name: str) -> bool:
-    """Whether the arm runs with `--multilora-disable-kv-moves` (`-nomove` in its name)."""
+    """Whether the arm runs with `--multilora-stock-baseline kv-moves` (`-nomove` in its name)."""
     return "-nomove" in name
 
 
@@ -244,7 +244,7 @@ def arm_spec(name: str, args: argparse.Namespace, workload, max_rank: int) -> tu
         if hold is not None:
             extra += ["--multilora-memory-hold-share", f"{hold:g}"]
     if no_kv_moves(name):
-        extra += ["--multilora-disable-kv-moves"]
+        extra += ["--multilora-stock-baseline", "kv-moves"]
     if host_gb(name) is not None:
         extra += ["--multilora-host-kv-gb", f"{host_gb(name):g}"]
     if drain:

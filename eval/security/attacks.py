@@ -17,7 +17,7 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
-ENCODED_PREFIX = "mlora1:"  # the namespace encoding of `--multilora-ingress strict` (patches/ingress.py)
+ENCODED_PREFIX = "mlora1:"  # the namespace encoding of strict ingress, the default (patches/ingress.py)
 
 
 @dataclass(frozen=True)

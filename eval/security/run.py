@@ -7,9 +7,9 @@ server still answers.
 
 Usage (a few minutes):
     .venv/bin/python -m eval.security.run [--out eval/results/ingress_attacks/ingress_attacks.jsonl]
-Arms: `stock` = `--multilora-ingress stock` (SGLang 0.5.23's request handling and prefix cache; the
-plugin keeps only its CPU LoRA compute, without which LoRA does not run on this CPU path), `ours` =
-`--multilora-ingress strict` with SGLang's prefix cache, `ours+tree` = strict ingress and
+Arms: `stock` = `--multilora-stock-baseline ingress` (SGLang 0.5.23's request handling and prefix cache;
+the plugin keeps only its CPU LoRA compute, without which LoRA does not run on this CPU path), `ours` =
+strict ingress (the default) with SGLang's prefix cache, `ours+tree` = strict ingress and
 `--radix-cache-backend multilora`.
 """
 
@@ -81,7 +81,7 @@ def run_attack(url: str, prompt_ids: list[int], attack: Attack, max_new_tokens: 
 
 
 ARMS = {
-    "stock": ["--multilora-ingress", "stock"],
+    "stock": ["--multilora-stock-baseline", "ingress"],
     "ours": [],
     "ours+tree": ["--radix-cache-backend", "multilora"],
 }

@@ -34,7 +34,7 @@ def server(model_path):
     handle = start_server(model_path, [
         "--enable-lora", "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4",
         "--max-lora-rank", "32", "--radix-cache-backend", "multilora", "--chunked-prefill-size", "96",
-        "--multilora-check-invariants", "--multilora-memory", "separate",  # the KV budget is KV's alone here
+        "--multilora-check-invariants", "--multilora-stock-baseline", "memory",  # the KV budget is KV's alone
         "--admin-api-key", ADMIN_KEY,  # the KV transfer routes (the last test)
     ], name="e2e_memory_pressure", max_total_tokens=BUDGET_TOKENS,
         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"})
@@ -116,9 +116,9 @@ def test_outputs_match_peft_while_the_tree_evicts_and_recomputes(server, tokeniz
 
 
 def test_kv_exported_evicted_and_imported_back_is_reused_exactly(server, tokenizer, manifest, oracle):
-    """KV transfer on SGLang's own allocator (`--multilora-memory separate`) under the small budget: a LoRA's and an
-    aLoRA's KV exported, evicted by other work, imported back (the import evicts to make room), then reused by the
-    same requests, whose outputs still equal PEFT's; invariants are checked after every step meanwhile."""
+    """KV transfer on SGLang's own allocator (`--multilora-stock-baseline memory`) under the small budget: a LoRA's
+    and an aLoRA's KV exported, evicted by other work, imported back (the import evicts to make room), then reused
+    by the same requests, whose outputs still equal PEFT's; invariants are checked after every step meanwhile."""
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     work = cases(tokenizer, manifest)
     picked = [c for c in work if c[0] in ("caps/0", "check_caps/0")]

@@ -1,4 +1,4 @@
-"""End to end: adapter weights and KV in one pool (`--multilora-memory unified`, the default of the tree backend).
+"""End to end: adapter weights and KV in one pool (the default of the tree backend).
 
 24 random PEFT adapters (ranks 8 to 64; attention only, MLP only or every projection; a quarter of them aLoRAs;
 some in PEFT's other layouts: `q_proj` alone, k/v without q, a regex or dotted `target_modules`,

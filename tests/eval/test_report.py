@@ -265,9 +265,9 @@ def test_unified_memory_arms_with_their_own_cap_and_the_headline_against_the_bet
     assert tokens == 6000 and flags[-2:] == ["--multilora-memory-hold-share", "0"]
     assert "--multilora-memory-hold-share" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
     assert arm_spec("ours-mq-cap8-hold0.5", args, workload, 64)[1][-2:] == ["--multilora-memory-hold-share", "0.5"]
-    assert arm_spec("ours-mq-cap8-hold0.5-nomove", args, workload, 64)[1][-3:] == [
-        "--multilora-memory-hold-share", "0.5", "--multilora-disable-kv-moves"]
-    assert "--multilora-disable-kv-moves" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
+    assert arm_spec("ours-mq-cap8-hold0.5-nomove", args, workload, 64)[1][-4:] == [
+        "--multilora-memory-hold-share", "0.5", "--multilora-stock-baseline", "kv-moves"]
+    assert "--multilora-stock-baseline" not in arm_spec("ours-mq-cap8", args, workload, 64)[1]
     assert arm_spec("ours-mq-cap8-host2.5", args, workload, 64)[1][-2:] == ["--multilora-host-kv-gb", "2.5"]
     assert parse_arm("ours-mq-cap8-nomove-host2-drain") == ("ours-mq", 8, True)
     for bad in ("stock-host2", "ours-mq-host", "ours-mq-host0", "ours-mq-hostx", "ours-mq-host-1"):

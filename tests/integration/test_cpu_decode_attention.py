@@ -11,7 +11,10 @@ the installed file and checked against SGLang's method alike.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import inspect
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -229,12 +232,15 @@ def test_hook_follows_the_flag(backend, monkeypatch):
         taken.append("stock")
         return stock_method()(self, *args, **kwargs)
 
-    for choice in flags.DECODE_ATTENTION_CHOICES:
-        monkeypatch.setenv(flags.ENV_VAR, f'{{"decode_attention": "{choice}"}}')
+    for argv in ([], ["--multilora-stock-baseline", "decode-attention"]):
+        parser = argparse.ArgumentParser()
+        flags.add_cli_args(parser)
+        args = flags.pop_from_namespace(parser.parse_args(argv))
+        monkeypatch.setenv(flags.ENV_VAR, json.dumps(dataclasses.asdict(args)))
         out = cpu_decode_attention.run_sdpa_forward_decode(original, backend, *batch.args(), scaling=0.125,
                                                            enable_gqa=True)
         assert not out.isnan().any()
-    assert taken == ["stock"], "only --multilora-decode-attention stock should take SGLang's path"
+    assert taken == ["stock"], "only --multilora-stock-baseline decode-attention should take SGLang's path"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,10 @@ to a copy of the installed file) must match SGLang in every case, those included
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import inspect
+import json
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -188,13 +191,16 @@ def test_hook_follows_the_flag(backend, monkeypatch):
         taken.append("stock")
         return stock_method()(self, *args, **kwargs)
 
-    for choice in flags.EXTEND_ATTENTION_CHOICES:
-        monkeypatch.setenv(flags.ENV_VAR, f'{{"extend_attention": "{choice}"}}')
+    for argv in ([], ["--multilora-stock-baseline", "extend-attention"]):
+        parser = argparse.ArgumentParser()
+        flags.add_cli_args(parser)
+        args = flags.pop_from_namespace(parser.parse_args(argv))
+        monkeypatch.setenv(flags.ENV_VAR, json.dumps(dataclasses.asdict(args)))
         out = cpu_extend_attention.run_sdpa_forward_extend(
             original, backend, *batch.args(), scaling=0.125, enable_gqa=True, causal=True
         )
         assert not out.isnan().any()
-    assert taken == ["stock"], "only --multilora-extend-attention stock should take SGLang's path"
+    assert taken == ["stock"], "only --multilora-stock-baseline extend-attention should take SGLang's path"
 
 
 def load_upstream(diff: Path, root: Path):

@@ -279,7 +279,7 @@ def test_flashinfer_ops_are_refused_with_the_pool(sglang_tp1):  # noqa: F811
     try:
         backend = lora_backend.MultiLoRABackend(SLOTS, torch.device("cpu"))
         backend.impl = "flashinfer"
-        with pytest.raises(RuntimeError, match="--multilora-memory separate"):
+        with pytest.raises(RuntimeError, match="--multilora-stock-baseline memory"):
             backend.use_pool([])
     finally:
         process_state().lora_backend = saved

@@ -3,6 +3,8 @@ launcher (--help, bad values), and refusal to start on a drifted SGLang."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sgl_multilora.patches import hook_table, plugin
@@ -31,7 +33,7 @@ OVERLAP = (
     "for name, extra in [('ours-cpu', ['--device', 'cpu', '--radix-cache-backend', 'multilora']),\n"
     "                    ('stock-cpu', ['--device', 'cpu']),\n"
     "                    ('ours-cpu-kept', ['--device', 'cpu', '--radix-cache-backend', 'multilora',\n"
-    "                                       '--multilora-cpu-overlap']),\n"
+    "                                       '--multilora-stock-baseline', 'cpu-overlap']),\n"
     "                    ('ours-cuda', ['--device', 'cuda', '--radix-cache-backend', 'multilora'])]:\n"
     "    print(name, prepare_server_args(base + extra).disable_overlap_schedule)\n"
 )
@@ -43,7 +45,7 @@ def runs():
     started = SideBySide({
         "load_plugins": ["-c", LOAD_PLUGINS + OVERLAP],
         "help": ["-m", "sglang.launch_server", "--help"],
-        "bad_flag": ["-m", "sglang.launch_server", "--model-path", "unused", "--multilora-lora-compute", "fast"],
+        "bad_flag": ["-m", "sglang.launch_server", "--model-path", "unused", "--multilora-stock-baseline", "fast"],
     }, timeout_s=180)
     yield started
     started.close()
@@ -61,19 +63,21 @@ def test_flags_appear_in_launch_server_help(runs):
     result = runs.result("help")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sgl_multilora" in result.stdout
-    for flag in ("--multilora-lora-compute", "--multilora-adapter-dir"):
+    for flag in ("--multilora-stock-baseline", "--multilora-adapter-dir"):
         assert flag in result.stdout
+    assert len(set(re.findall(r"--multilora-[a-z0-9-]+", result.stdout))) <= 15, "every flag earns its place"
 
 
 def test_bad_flag_value_stops_the_launcher_with_a_clear_error(runs):
     result = runs.result("bad_flag")
     assert result.returncode == 2
-    assert "argument --multilora-lora-compute: invalid choice: 'fast'" in result.stderr
+    assert "argument --multilora-stock-baseline: unknown part(s) ['fast']" in result.stderr
 
 
 def test_overlap_scheduler_is_off_only_for_our_backend_on_cpu(runs):
     """On a CPU the overlap loop only defers each batch's results by one forward; the plugin turns it off there when
-    its backend is on, says so, and leaves stock SGLang, GPU servers and `--multilora-cpu-overlap` as they are."""
+    its backend is on, says so, and leaves stock SGLang, GPU servers and `--multilora-stock-baseline cpu-overlap` as
+    they are."""
     result = runs.result("load_plugins")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[-5:-1] == ["ours-cpu True", "stock-cpu False", "ours-cpu-kept False",

@@ -1,4 +1,5 @@
-"""The --multilora-* flags: parsing, bad values, and how they reach spawned processes."""
+"""The --multilora-* flags: parsing, bad values, the stock baseline parts, one description behind --help and
+docs/flags.md, and how the values reach spawned processes."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-
 from sgl_multilora.patches import flags
 
 
@@ -22,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
 def test_defaults_and_values(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "adapter_config.json").write_text("{}")
-    ns = parser().parse_args(["--model-path", "m", "--multilora-lora-compute", "sglang",
+    ns = parser().parse_args(["--model-path", "m", "--multilora-stock-baseline", "lora-compute",
                               "--multilora-adapter-dir", str(tmp_path)])
     ours = flags.pop_from_namespace(ns)
     assert ours.lora_compute == "sglang" and ours.adapter_dir == str(tmp_path)
@@ -33,12 +37,13 @@ def test_defaults_and_values(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--multilora-lora-compute", "fast"], "invalid choice: 'fast'"),
+        (["--multilora-stock-baseline", "fast"], "unknown part(s) ['fast']"),
+        (["--multilora-stock-baseline", "memory,shared"], "unknown part(s) ['shared']"),
         (["--multilora-adapter-dir", "/no/such/dir"], "is not a directory"),
-        (["--multilora-memory", "shared"], "invalid choice: 'shared'"),
         (["--multilora-eviction-policy", "fifo"], "invalid choice: 'fifo'"),
         (["--multilora-idle-watermark", "1.5"], "is not a number between 0 and 1"),
-        (["--multilora-swap-interval-ms", "0"], "is not a positive number"),
+        (["--multilora-ttft-slo-s", "0"], "is not a positive number"),
+        (["--multilora-max-adapter-mb", "0"], "is not a positive integer"),
         (["--multilora-slot-squash-share", "-0.1"], "is not a number between 0 and 1"),
         (["--multilora-max-slot-squashes", "-1"], "is not a non-negative integer"),
         (["--multilora-max-slot-squashes", "1.5"], "is not a non-negative integer"),
@@ -79,11 +84,11 @@ def test_exported_flags_reach_spawned_processes(monkeypatch):
 
 
 def test_memory_flags(monkeypatch):
-    ns = parser().parse_args(["--multilora-memory", "separate", "--multilora-eviction-policy", "lru",
-                              "--multilora-idle-watermark", "0.5", "--multilora-swap-interval-ms", "20"])
+    ns = parser().parse_args(["--multilora-stock-baseline", "memory", "--multilora-eviction-policy", "lru",
+                              "--multilora-idle-watermark", "0.5"])
     ours = flags.pop_from_namespace(ns)
     assert (ours.memory, ours.eviction_policy, ours.idle_watermark, ours.swap_interval_ms) == (
-        "separate", "lru", 0.5, 20.0)
+        "separate", "lru", 0.5, 100.0)
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-squash-share", "0.25"])
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
@@ -94,10 +99,55 @@ def test_memory_flags(monkeypatch):
     with pytest.raises(SystemExit):
         parser().parse_args(["--multilora-memory-hold-share", "-0.5"])
     assert not flags.MultiLoRAArgs().disable_kv_moves  # KV moves to free a run for an adapter by default
-    assert flags.pop_from_namespace(parser().parse_args(["--multilora-disable-kv-moves"])).disable_kv_moves
+    assert flags.pop_from_namespace(parser().parse_args(["--multilora-stock-baseline", "kv-moves"])).disable_kv_moves
     # the unified pool needs the tree backend (set at parse time) and `unified`
     for radix_backend, memory, expected in [(True, "unified", True), (False, "unified", False),
                                             (True, "separate", False)]:
         args = dataclasses.replace(flags.MultiLoRAArgs(), radix_backend=radix_backend, memory=memory)
         monkeypatch.setenv(flags.ENV_VAR, json.dumps(dataclasses.asdict(args)))
         assert flags.unified_memory_requested() is expected
+
+
+STOCK = {"lora_compute": "sglang", "extend_attention": "stock", "decode_attention": "stock", "ingress": "stock",
+         "memory": "separate", "disable_kv_moves": True, "cpu_overlap": True}
+"""Each stock baseline part's field and stock SGLang's value for it, written out by hand."""
+
+
+def test_stock_baseline_parts_restore_stock_behaviour_one_by_one_or_together():
+    ours = flags.MultiLoRAArgs()
+    assert {name: getattr(ours, name) for name in STOCK} == {
+        "lora_compute": "auto", "extend_attention": "ours", "decode_attention": "ours", "ingress": "strict",
+        "memory": "unified", "disable_kv_moves": False, "cpu_overlap": False}
+    parts = ["lora-compute", "extend-attention", "decode-attention", "ingress", "memory", "kv-moves", "cpu-overlap"]
+    for part, name in zip(parts, STOCK):
+        got = flags.pop_from_namespace(parser().parse_args(["--multilora-stock-baseline", part]))
+        assert got == dataclasses.replace(ours, **{name: STOCK[name]}), part
+    # a comma list and a repeated flag are the same thing
+    together = parser().parse_args(["--multilora-stock-baseline", ",".join(parts[:4]),
+                                    "--multilora-stock-baseline", ",".join(parts[4:])])
+    assert flags.pop_from_namespace(together) == dataclasses.replace(ours, **STOCK)
+    assert not hasattr(together, "multilora_stock_baseline")
+
+
+def test_help_defaults_and_docs_come_from_one_description():
+    """Every flag's --help text, choices and default are its field's; docs/flags.md is exactly what the generator
+    writes now (regenerate it with the command it names); at most 15 flags."""
+    actions = {a.option_strings[0]: a for a in parser()._actions if a.option_strings
+               and a.option_strings[0].startswith("--multilora-")}
+    described = {f.metadata["flag"]: f for f in dataclasses.fields(flags.MultiLoRAArgs) if "flag" in f.metadata}
+    assert set(actions) == set(described) | {"--multilora-stock-baseline"} and len(actions) <= 15
+    for name, f in described.items():
+        action = actions[name]
+        assert (action.dest, action.default, action.help) == ("multilora_" + f.name, f.default, f.metadata["help"])
+        assert tuple(action.choices or ()) == (f.metadata["choices"] or ())
+        assert re.fullmatch(r"--multilora-[a-z0-9-]+", name) and name == "--multilora-" + f.name.replace("_", "-")
+    docs = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+    generated = subprocess.run([sys.executable, "-m", "sgl_multilora.patches.flags", "--markdown"], check=True,
+                               capture_output=True, text=True).stdout
+    assert docs.read_text() == generated, "docs/flags.md is stale: python -m sgl_multilora.patches.flags --markdown"
+    for name, f in described.items():
+        cell = f.metadata["help"].replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        assert f"`{name}" in generated and cell in generated
+    for part in ("lora-compute", "extend-attention", "decode-attention", "ingress", "memory", "kv-moves",
+                 "cpu-overlap"):
+        assert f"| `{part}` |" in generated
