@@ -29,9 +29,9 @@ from collections import defaultdict
 
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
+from sgl_multilora.sched.bypass import HeldKV, MeasuredTerms
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.multiqueue import MultiQueueScheduler
-from sgl_multilora.sched.bypass import HeldKV, MeasuredTerms
 from sgl_multilora.sched.request import MeasuredRates, SchedRequest, TimingModel
 from sgl_multilora.sched.wrs import WrsNormalizer
 

@@ -82,7 +82,6 @@ class MultiQueueScheduler:
         """Requests the last batch passed over (keeping their place): for want of an adapter slot,
         and while their adapter loads (a request counts once per scan that met it)."""
 
-
     def add(self, r: SchedRequest) -> None:
         """Predicts r's output, prices and routes it, and queues it. Raises ValueError for a rid
         already here or negative sizes."""
@@ -150,7 +149,6 @@ class MultiQueueScheduler:
         r.charges = []
         self.bypass.forget(rid)
         return r
-
 
     def build_batch(self, now: float, budget_tokens: int | None = None,
                     is_resident: IsResident | None = None,
@@ -232,7 +230,6 @@ class MultiQueueScheduler:
         self._running[r.rid] = r
         self.counts["admitted"] += 1
 
-
     def squash_candidates(self, free_tokens: int,
                           footprint: Callable[[SchedRequest], int] | None = None,
                           need: Callable[[SchedRequest], int] | None = None) -> list[SquashInfo]:
@@ -241,7 +238,6 @@ class MultiQueueScheduler:
         `requeue(victim.rid, squash=True)`."""
         return squash_candidates(self.bypass, self._running, self.queues.get, free_tokens,
                                  self.config.max_squashes, footprint, need)
-
 
     def refresh(self, now: float, total_tokens: int | None = None, force: bool = False) -> bool:
         """Refits normaliser, cut-offs and quotas when due or when forced, and re-routes queued
@@ -289,7 +285,6 @@ class MultiQueueScheduler:
         self.ledger.reset(plan.quotas.quotas, (r.charges for r in self._running.values()))
         for rule in self.rules:
             rule.reset()
-
 
     @property
     def running(self) -> dict[str, SchedRequest]:
