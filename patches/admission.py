@@ -109,6 +109,16 @@ def refuse_infeasible(original, self, req, *args, **kwargs):
     return None
 
 
+def calc_priority(result, self, waiting_queue, *args, **kwargs):
+    """AFTER `SchedulePolicy.calc_priority(waiting_queue)`, which sorts the queue by SGLang's policy: with the
+    multi-queue scheduler, the pass meets the plan's requests first and in the plan's order (smaller queues
+    first), so a small request the plan puts before large ones is not left behind them when SGLang's own order
+    (arrival, prefix length) would spend the pass's prefill budget on the large ones first."""
+    sched = process_state().scheduler
+    if sched is not None:
+        sched.order(waiting_queue)
+
+
 def prefill_adder_init(result, self, *args, **kwargs):
     """AFTER `PrefillAdder.__init__`: the pass's adder, whose prefill budget bounds what an adapter load may take."""
     process_state().building.adder = self

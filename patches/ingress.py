@@ -7,7 +7,7 @@ Stock SGLang 0.5.23 trusts three request fields it should not:
 - the prefix-cache namespace is the string `extra_key + lora_id`, so a base request whose `extra_key` equals an
   adapter's id (or ends with the right characters) shares that adapter's cached KV.
 
-What this module does with `--multilora-ingress strict` (the default), whichever `--radix-cache-backend` runs:
+What this module does (unless `--multilora-stock-baseline ingress`), whichever `--radix-cache-backend` runs:
 - tokenizer process: an empty prompt, a token id outside the vocabulary or `top_logprobs_num` above the vocabulary
   size gets HTTP 400 (each crashes stock SGLang).
 - tokenizer process: a `lora_path` list whose length is not the batch's, or with entries that are not names, gets

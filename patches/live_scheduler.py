@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from sgl_multilora.patches import flags
 from sgl_multilora.patches.state import process_state
@@ -42,6 +42,8 @@ TIMING_EMA = 0.2
 HOLD_LOG_AFTER_S = 1.0
 """A pass that leaves a request queued this long is logged (why each queue stopped), at most once per this many
 seconds."""
+RECENT_BATCHES = 64
+"""Admission passes whose admitted requests `stats()` lists (`recent_batches`), newest last."""
 TIMING_RESYNC = 0.05
 """The scheduler's timing model follows a measured rate once it has moved this share away from it (not every
 step: a step's result should cost next to nothing)."""
@@ -63,6 +65,7 @@ class LiveScheduler:
         self._cached_len = getattr(cache, "cached_len", None)  # our radix cache's; None: another cache
         self.planned: set[str] | None = None  # rids the current pass may admit (None: outside a pass)
         self._planned_order: list[str] = []
+        self.recent_batches: deque[list[str]] = deque(maxlen=RECENT_BATCHES)  # rids each pass admitted, oldest first
         self.num_requeued = 0
         self.num_squashed = 0
         self._pushed_back = 0  # planned requests SGLang did not take in the last pass
@@ -292,15 +295,26 @@ class LiveScheduler:
                     squash.beneficiary.rid, squash.wait_s)
         return victims
 
+    def order(self, waiting_queue: list) -> None:
+        """Sorts SGLang's waiting queue in place: this pass's planned requests first, in the plan's order; the
+        rest keep SGLang's order after them (a stable sort). Outside a pass, nothing changes."""
+        if not self._planned_order:
+            return
+        rank = {rid: i for i, rid in enumerate(self._planned_order)}
+        waiting_queue.sort(key=lambda req: rank.get(req.rid, len(rank)))
+
     def allows(self, req) -> bool:
         """Whether SGLang's current pass may admit `req` from its waiting queue (always outside a pass)."""
         return self.planned is None or req.rid in self.planned
 
     def after_pass(self, admitted_rids: set[str]) -> None:
+        if admitted_rids:
+            self.recent_batches.append(sorted(admitted_rids))
         self._pushed_back = 0
+        overtaken = not admitted_rids.isdisjoint(self._planned_order)  # SGLang took some of the plan
         for rid in self._planned_order:
             if rid not in admitted_rids and rid in self.mq.running:
-                self.mq.requeue(rid, pushed_back=True)
+                self.mq.requeue(rid, pushed_back=True, overtaken=overtaken)
                 self.num_requeued += 1
                 self._pushed_back += 1
         self.planned, self._planned_order = None, []
@@ -318,4 +332,5 @@ class LiveScheduler:
             "slot_squashed": s.counts["slot_squashed"], "slot_reserved_for": self.mq.slot_squashes.reserved_for,
             "timing": dataclasses.asdict(self.timing()),
             "last_stops": {str(q): dataclasses.asdict(st) for q, st in sorted(self.mq.last_stops.items())},
+            "recent_batches": list(self.recent_batches),
         }

@@ -176,7 +176,7 @@ class LiveMemory:
         self.policy = create_policy(args.eviction_policy, context=self.usage)
         tree.score = self.policy
         self.swapper = Swapper(tree, self.pool, self.residency, self.policy, self,
-                               idle_watermark=args.idle_watermark, swap_interval_s=args.swap_interval_ms / 1000,
+                               idle_watermark=args.idle_watermark, swap_interval_s=flags.SWAP_INTERVAL_MS / 1000,
                                free_kv=allocator.free_cached, value_offset=1)
         self.req_to_token_pool = req_to_token_pool
         self._after_stream = None  # see allow_kv_moves
@@ -561,8 +561,9 @@ def memory() -> LiveMemory | None:
 
 
 def build_allocator(original, self, *args, **kwargs):
-    """`--multilora-memory unified`: SGLang's page-size-1 allocator becomes a `UnifiedTokenAllocator` over the
-    same KV buffers (other allocators: unchanged, with a warning)."""
+    """The unified pool (on with the tree unless `--multilora-stock-baseline memory`): SGLang's page-size-1
+    allocator becomes a `UnifiedTokenAllocator` over the same KV buffers (other allocators: unchanged, with a
+    warning)."""
     allocator = original(self, *args, **kwargs)
     if not flags.unified_memory_requested():
         return allocator

@@ -28,9 +28,9 @@ class SchedConfig:
     window_size: int = 2000
     """At most this many recent requests in the window, bounding the refit's cost."""
     min_samples: int = 32
-    """A refit needs this many requests in the window. Until the first refit there is one queue
-    (FIFO with one quota); the first refit runs as soon as the window holds `min_samples`
-    requests, not after a whole `requeue_s`."""
+    """A refit needs this many requests in the window. Until the first refit the prior plan queues
+    by size against `initial_norm` (plan.py, `prior_plan`); the first refit runs as soon as the
+    window holds `min_samples` requests, not after a whole `requeue_s`."""
     max_queues: int = 4
     """K_max (the paper's 4)."""
     min_gain: float = 0.06

@@ -6,7 +6,9 @@ Not here: memory (the caller says which adapters are resident and starts loads t
 SGLang's objects, one queue's admission scan (admission.py), the fitting of cut-offs and quotas
 (plan.py), or the rules beyond the paper (rules/: memory hold, slot squash, budget promotion).
 
-Each `build_batch` (reference/seed-chameleon.md, 4.3):
+Plans: the prior plan until the window supports a fit (queues by size against the configured limits), then
+fitted ones, with an overflow queue above a one-queue fit (plan.py). Each `build_batch`
+(reference/seed-chameleon.md, 4.3):
 - Holds: each rule may end the batch before the phases (rules/memory_hold.py).
 - Phase 1: queues in ascending WRS order (promoted queues first: rules/promotion.py) admit FIFO up
   to their available quota (quota minus the tokens their running requests hold).
@@ -42,7 +44,7 @@ from sgl_multilora.sched.admission import (
 )
 from sgl_multilora.sched.bypass import BypassBook, SquashInfo, squash_candidates
 from sgl_multilora.sched.config import SchedConfig
-from sgl_multilora.sched.plan import FitWindow, SchedPlan, fixed_plan, single_queue_plan
+from sgl_multilora.sched.plan import FitWindow, SchedPlan, fixed_plan, prior_plan
 from sgl_multilora.sched.predictor import OutputLengthPredictor
 from sgl_multilora.sched.queues import QueueSet
 from sgl_multilora.sched.quotas import QuotaLedger
@@ -56,8 +58,8 @@ class MultiQueueScheduler:
     def __init__(self, config: SchedConfig, predictor: OutputLengthPredictor | None = None) -> None:
         self.config = config
         self.predictor = predictor or OutputLengthPredictor()
-        self.plan: SchedPlan = single_queue_plan(config)
-        self.queues = QueueSet(1)
+        self.plan: SchedPlan = prior_plan(config)
+        self.queues = QueueSet(self.plan.num_queues)
         self.ledger = QuotaLedger(self.plan.quotas.quotas)
         self.bypass = BypassBook()
         self._running: dict[str, SchedRequest] = {}
@@ -94,7 +96,7 @@ class MultiQueueScheduler:
         pred = self.predictor.predict(r.adapter, r.in_len)
         r.pred_out_len = pred if r.max_new_tokens is None else min(pred, r.max_new_tokens)
         r.cost_tokens = r.new_len + r.pred_out_len + r.adapter_tokens
-        r.wrs = self.plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank)
+        r.wrs = self.plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank, clamp=False)
         r.seq, self._seq = self._seq, self._seq + 1
         self.queues.push(r, self.plan.route(r.wrs))
         self._window.add(r)
@@ -120,12 +122,16 @@ class MultiQueueScheduler:
         return r
 
     def requeue(self, rid: str, squash: bool = False, pushed_back: bool = False, *,
-                slot_squash: bool = False) -> SchedRequest:
+                slot_squash: bool = False, overtaken: bool = True) -> SchedRequest:
         """A running request goes back to its arrival position (squashed, retracted by the engine,
         or `pushed_back`: planned by the last `build_batch` but not taken by the engine, whose own
         limits, such as a cap on running requests, the plan does not see) and its tokens return.
-        A pushed-back request heading its queue may get it promoted (rules/promotion.py). Raises
-        KeyError if it is not running."""
+        A pushed-back request heading its queue may get it promoted (rules/promotion.py), when it was
+        `overtaken`: the engine took other planned requests. A pass the engine spent before any
+        planned request (a chunked prefill continuing, a full batch) overtook no one and counts
+        nothing: promoting on it would put large queues first exactly while a long prefill blocks
+        everything, the head-of-line blocking the queues exist to end. Raises KeyError if it is not
+        running."""
         r = self._pop_running(rid)
         r.admitted_at = None
         r.resumed = r.resumed or not pushed_back
@@ -136,9 +142,9 @@ class MultiQueueScheduler:
         self.queues.push_in_order(r, q)
         if pushed_back:
             self.counts["pushed_back"] += 1
-            r.num_pushbacks += 1
+            r.num_pushbacks += overtaken
         for rule in self.rules:
-            rule.requeued(r, q, pushed_back)
+            rule.requeued(r, q, pushed_back and overtaken)
         return r
 
     def _pop_running(self, rid: str) -> SchedRequest:
@@ -275,7 +281,7 @@ class MultiQueueScheduler:
         self.plan = plan
 
         def route(r: SchedRequest) -> int:
-            r.wrs = plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank)
+            r.wrs = plan.normalizer.wrs(r.new_len, r.pred_out_len, r.rank, clamp=False)
             return plan.route(r.wrs)
 
         self.queues.reroute(plan.num_queues, route)
@@ -297,7 +303,8 @@ class MultiQueueScheduler:
 
     def stats(self) -> SchedStats:
         plan, ledger = self.plan, self.ledger
-        bounds = (0.0, *plan.clustering.cutoffs, 1.0)
+        cuts = plan.clustering.cutoffs  # an overflow queue's cut-off may exceed 1 (plan.py): it takes all above
+        bounds = (0.0, *cuts, max(1.0, *cuts) if cuts else 1.0)
         infos = tuple(
             QueueInfo(q, self.queues.len_of(q), ledger.quotas[q], plan.quotas.minima[q],
                       ledger.held[q], bounds[q], bounds[q + 1])

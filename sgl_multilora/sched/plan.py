@@ -21,10 +21,17 @@ from itertools import pairwise
 
 from sgl_multilora.sched.config import SchedConfig
 from sgl_multilora.sched.kmeans import Clustering, choose_clustering
-from sgl_multilora.sched.quotas import QueueLoad, QuotaPlan, plan_quotas
+from sgl_multilora.sched.quotas import QueueLoad, QuotaPlan, apportion, plan_quotas
 from sgl_multilora.sched.request import SchedRequest
 from sgl_multilora.sched.wrs import WrsNormalizer, fit_normalizer
 
+PRIOR_CUTOFFS = (1 / 64, 1 / 16, 1 / 4)
+"""The prior plan's WRS cut-offs: geometric, since WRS multiplies a length term by a rank term and spans orders of
+magnitude (a one-line question on a rank-8 adapter sits near 0.002 against the server's limits, a 1,500-token
+prompt on the largest rank near 0.1)."""
+OVERFLOW_FACTOR = 1.5
+"""A plan fitted as one queue adds a queue for requests whose WRS exceeds the window's largest by this factor
+(`fit_plan`)."""
 MIN_SPAN_S = 1.0
 """Arrival rates are counts over at least this span, so a burst in the first instant does not
 read as an infinite rate."""
@@ -84,10 +91,21 @@ class FitWindow:
 
 
 def single_queue_plan(config: SchedConfig, now: float = 0.0) -> SchedPlan:
-    """The cold-start plan: one queue holding the whole token total."""
+    """One queue holding the whole token total (FIFO with one quota)."""
     clustering = Clustering(1, (0.0,), (), (0.0,))
     quotas = QuotaPlan((config.total_tokens,), (0,), True)
     return SchedPlan(config.initial_norm, clustering, quotas, (), now, 0)
+
+
+def prior_plan(config: SchedConfig, now: float = 0.0) -> SchedPlan:
+    """The plan until the window supports a fit: queues by WRS against the configured normaliser (the server's
+    own limits: its context, output length and largest rank), cut at `PRIOR_CUTOFFS`, equal quotas. A fresh
+    server thus admits small requests before large ones from its first request on (one FIFO queue would admit
+    in arrival order); the fitted plan replaces it once `min_samples` requests arrived."""
+    k = min(config.max_queues, len(PRIOR_CUTOFFS) + 1)
+    if k == 1:
+        return single_queue_plan(config, now)
+    return fixed_plan(config, PRIOR_CUTOFFS[:k - 1], apportion(config.total_tokens, [1.0] * k), now)
 
 
 def fixed_plan(config: SchedConfig, cutoffs: Sequence[float], quotas: Sequence[int],
@@ -114,7 +132,7 @@ def fit_plan(window: Sequence[SchedRequest], now: float, config: SchedConfig,
     norm = fit_normalizer([r.new_len for r in window], [r.pred_out_len for r in window],
                           [r.rank for r in window], config.initial_norm, config.norm_quantile)
     values = [norm.wrs(r.new_len, r.pred_out_len, r.rank) for r in window]
-    clustering = choose_clustering(values, config.max_queues, config.min_gain)
+    clustering = _with_overflow(choose_clustering(values, config.max_queues, config.min_gain), max(values))
     span = max(MIN_SPAN_S, now - window[0].arrival)
     members: list[list[SchedRequest]] = [[] for _ in range(clustering.k)]
     for r, v in zip(window, values):
@@ -141,3 +159,17 @@ def _queue_load(members: Sequence[SchedRequest], span_s: float, config: SchedCon
         arrival_rate=len(members) / span_s,
         demand_tokens=sum(r.cost_tokens for r in members),
     )
+
+
+def _with_overflow(clustering: Clustering, top: float) -> Clustering:
+    """`clustering` (when it is one queue) plus one queue above it for requests whose WRS, unclamped (routing does not cap the terms at
+    the normalisers), exceeds `OVERFLOW_FACTOR` x the window's largest (`top`): a window of small requests fits
+    one queue, normalised so that they span the whole range, and a large request arriving later would otherwise
+    wait behind every small one queued before it in that queue's FIFO (the head-of-line blocking the queues exist
+    to end). The overflow queue's quota is the minimum of an empty queue; it admits a request when nothing of it
+    runs, and borrows what empty queues lend."""
+    cut = OVERFLOW_FACTOR * top
+    if clustering.k > 1 or cut <= 0.0:  # a window with sizes apart already has a largest queue with a real quota
+        return clustering
+    return Clustering(clustering.k + 1, (*clustering.centroids, cut), (*clustering.cutoffs, cut),
+                      clustering.wcss_by_k)

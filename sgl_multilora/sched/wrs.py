@@ -41,11 +41,13 @@ class WrsNormalizer:
         if min(self.max_in_len, self.max_out_len, self.max_rank, self.base_rank) <= 0:
             raise ValueError(f"WRS normalisers must be > 0, got {self}")
 
-    def wrs(self, in_len: int, out_len: int, rank: int) -> float:
-        """In [0, 1]; 0 only for an empty request."""
-        length = (IN_WEIGHT * min(1.0, in_len / self.max_in_len)
-                  + OUT_WEIGHT * min(1.0, out_len / self.max_out_len))
-        size = min(1.0, (rank if rank > 0 else self.base_rank) / self.max_rank)
+    def wrs(self, in_len: int, out_len: int, rank: int, *, clamp: bool = True) -> float:
+        """In [0, 1]; 0 only for an empty request. With `clamp` False the terms are not capped at 1, so a request
+        beyond the normalisers keeps its size (routing uses it: plan.py's overflow queue)."""
+        cap = 1.0 if clamp else float("inf")
+        length = (IN_WEIGHT * min(cap, in_len / self.max_in_len)
+                  + OUT_WEIGHT * min(cap, out_len / self.max_out_len))
+        size = min(cap, (rank if rank > 0 else self.base_rank) / self.max_rank)
         return length * size
 
 

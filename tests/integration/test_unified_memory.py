@@ -436,7 +436,7 @@ def test_a_load_refused_for_scattered_kv_moves_the_kv_out_of_one_window(world):
     need = memory.residency.entry(ident_b).num_slots
     assert 1 < memory.min_run(ident_b) <= need <= allocator.available_size()
 
-    memory.allow_kv_moves(False)  # as with --multilora-disable-kv-moves
+    memory.allow_kv_moves(False)  # as with --multilora-stock-baseline kv-moves
     assert not memory.ensure_resident(ident_b, budget=None)
     counters = memory.swapper.counters
     assert counters.refused_loads == 1 and counters.unreachable_runs == 1 and counters.kv_compactions == 0

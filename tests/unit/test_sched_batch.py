@@ -203,7 +203,9 @@ def test_refresh_fits_queues_from_the_window_and_reroutes():
     for i in range(10):
         s.add(req(f"s{i}", 100, arrival=i * 0.1))
         s.add(req(f"l{i}", 1000, arrival=i * 0.1 + 0.05))
-    assert s.queues.num_queues == 1  # cold start: one FIFO queue
+    # before the first fit: the prior plan queues by size against the configured normaliser
+    st = s.stats()
+    assert st.cutoffs == (1 / 64, 1 / 16, 1 / 4) and [q.num_queued for q in st.queues] == [0, 10, 0, 10]
     s.refresh(now=1.0)  # the window holds min_samples: the first refit does not wait 300 s
     st = s.stats()
     assert st.counts["refreshes"] == 1 and len(st.cutoffs) == 1
@@ -219,8 +221,9 @@ def test_refresh_fits_queues_from_the_window_and_reroutes():
         s.add(req(f"n{i}", 100, arrival=300.0))  # only small requests lately
     assert s.refresh(now=302.0)
     st = s.stats()
-    # one queue now: the old large requests still waiting are re-routed into it
-    assert st.cutoffs == () and [q.num_queued for q in st.queues] == [40]
+    # one queue fits the window now, plus the overflow queue above 1.5x its largest WRS: the old large requests
+    # still waiting are re-routed there, not behind the small ones
+    assert st.cutoffs == (1.5,) and [q.num_queued for q in st.queues] == [30, 10]
     s.check_invariants()
 
 
