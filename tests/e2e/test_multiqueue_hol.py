@@ -6,8 +6,9 @@ Long prompts on the highest-rank bundled adapter (`bullets`) arrive together; wh
 server's own record of each admission pass's requests (`recent_batches` in `/multilora/stats`) must show every
 small request admitted in the pass that ends the prefill they arrived behind, before any other long request's
 prefill: the plan puts the small ones first, SGLang's pass meets them first, and passes spent on the chunked
-prefill promote no queue. Fresh, the prior plan (queues by size against the server's limits)
-separates them; warm, after 40 small requests fitted one queue, the overflow queue above it does.
+prefill promote no queue. Fresh, the prior plan (queues by size against the server's limits) separates them; warm,
+the plan fitted once 40 small requests came in (the one-queue fit of a window of small requests only, with the
+overflow queue above it, is tests/unit/test_sched_batch.py's).
 """
 
 from __future__ import annotations
@@ -23,18 +24,16 @@ from tests.e2e.served import memory, random_ids, wait_idle, wait_running
 pytestmark = pytest.mark.e2e
 
 NUM_LONG, NUM_SHORT = 3, 4
-LONG_TOKENS, SHORT_TOKENS = 1200, 10
+LONG_TOKENS, SHORT_TOKENS = 800, 10
 
 
-@pytest.fixture(params=["fresh", "warm"])
-def server(request, model_path):
-    """A new server per scene: the warm one's window must hold small requests only."""
+@pytest.fixture(scope="module")
+def server(model_path):
     handle = start_server(model_path, [
         "--enable-lora", "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4",
         "--max-lora-rank", "32", "--radix-cache-backend", "multilora", "--multilora-scheduler", "multiqueue",
         "--chunked-prefill-size", "128",
-    ], name=f"e2e_multiqueue_hol_{request.param}", max_total_tokens=12000)
-    handle.scene = request.param
+    ], name="e2e_multiqueue_hol", max_total_tokens=12000)
     yield handle
     handle.stop()
 
@@ -49,8 +48,9 @@ def post(server, rid: str, lora: str, ids: list[int], new: int = 2) -> dict:
 
 def burst_then_small(server, tokenizer, tag: str) -> list[list[str]]:
     """The scene; returns the admission passes that admitted any of its requests, in order."""
-    longs = [(f"{tag}-long{i}", random_ids(tokenizer, LONG_TOKENS, 100 + i)) for i in range(NUM_LONG)]
-    shorts = [(f"{tag}-short{i}", random_ids(tokenizer, SHORT_TOKENS, 500 + i)) for i in range(NUM_SHORT)]
+    seed = 100 * len(tag)  # prompts of their own per scene: nothing the prefix cache holds from the other
+    longs = [(f"{tag}-long{i}", random_ids(tokenizer, LONG_TOKENS, seed + i)) for i in range(NUM_LONG)]
+    shorts = [(f"{tag}-short{i}", random_ids(tokenizer, SHORT_TOKENS, seed + 50 + i)) for i in range(NUM_SHORT)]
     before = memory(server)["scheduler"]["num_running"]
     with ThreadPoolExecutor(max_workers=NUM_LONG + NUM_SHORT) as executor:
         futures = [executor.submit(post, server, rid, "bullets", ids) for rid, ids in longs]
@@ -82,14 +82,14 @@ def assert_small_ones_first(passes: list[list[str]], tag: str) -> None:
     assert last_short == last_chunk, f"the small requests waited past the prefill they arrived behind: {passes}"
 
 
-def test_small_requests_pass_a_burst_of_long_ones_fresh_and_after_a_fit_on_small_ones(server, tokenizer):
-    if server.scene == "warm":
-        with ThreadPoolExecutor(max_workers=4) as executor:
-            list(executor.map(lambda i: post(server, f"warm{i}", "caps", random_ids(tokenizer, 12, 1000 + i)),
-                              range(40)))
-        stats = memory(server)["scheduler"]
-        assert stats["counts"]["refreshes"] >= 1, stats  # fitted on the 40 small requests
-    else:
-        stats = memory(server)["scheduler"]
-        assert stats["counts"]["refreshes"] == 0 and len(stats["queues"]) > 1, stats  # the prior plan, not FIFO
-    assert_small_ones_first(burst_then_small(server, tokenizer, server.scene), server.scene)
+def test_small_requests_pass_a_burst_of_long_ones_fresh_then_after_a_fit(server, tokenizer):
+    stats = memory(server)["scheduler"]
+    assert stats["counts"]["refreshes"] == 0 and len(stats["queues"]) > 1, stats  # the prior plan, not one FIFO
+    assert_small_ones_first(burst_then_small(server, tokenizer, "fresh"), "fresh")
+
+    with ThreadPoolExecutor(max_workers=4) as executor:  # 40 small requests: the window supports a fit
+        list(executor.map(lambda i: post(server, f"warm{i}", "caps", random_ids(tokenizer, 12, 1000 + i)),
+                          range(40)))
+    stats = memory(server)["scheduler"]
+    assert stats["counts"]["refreshes"] >= 1, stats
+    assert_small_ones_first(burst_then_small(server, tokenizer, "warm"), "warm")
