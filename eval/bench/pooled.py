@@ -12,32 +12,16 @@ Usage: .venv/bin/python -m eval.bench.pooled LOG [LOG ...] [--baseline fcfs]
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
-from eval.bench.results import nearest_rank
+from eval.live import ttft
 from eval.live.ttft import request_ttfts
 
 
 def pooled_lines(ttfts: dict[float, dict[str, list[float]]], baseline: str) -> list[str]:
-    """One line per rate: every arm's pooled mean / P99 TTFT and, for the others, their ratios to the baseline arm
-    (of the arms whose name starts with `baseline`, the one with the lowest pooled mean)."""
-    lines = []
-    for rate in sorted(ttfts):
-        by_arm = ttfts[rate]
-        bases = [a for a in by_arm if a.startswith(baseline)]
-        base = min(bases, key=lambda a: statistics.fmean(by_arm[a])) if bases else None
-        parts = []
-        for arm in sorted(by_arm):
-            v = by_arm[arm]
-            text = f"{arm} {statistics.fmean(v):.2f} / {nearest_rank(v, 99):.2f} s (n {len(v)})"
-            if base is not None and arm != base and not arm.startswith(baseline):
-                b = by_arm[base]
-                text += (f", {statistics.fmean(v) / statistics.fmean(b):.2f}x / "
-                         f"{nearest_rank(v, 99) / nearest_rank(b, 99):.2f}x {base}'s")
-            parts.append(text)
-        lines.append(f"- {rate:.2f} req/s, mean / P99 TTFT: " + "; ".join(parts))
-    return lines
+    """One line per rate: every arm's pooled mean / P99 TTFT (arms by name) and, for the others, their ratios to the
+    baseline arm (of the arms whose name starts with `baseline`, the one with the lowest pooled mean)."""
+    return ttft.pooled_lines(ttfts, baseline, order=sorted)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from eval.bench.results import nearest_rank
@@ -44,25 +45,33 @@ def request_ttfts(raw: Path) -> dict[float, dict[str, list[float]]]:
     return ttfts
 
 
+def best_pooled(by_arm: dict[str, list[float]], baseline: str = "stock") -> str | None:
+    """Of the arms whose name starts with `baseline` (stock: any cap or drainer), the one with the lowest mean over
+    every repeat's requests; None when there is none."""
+    bases = [a for a in by_arm if a.startswith(baseline)]
+    return min(bases, key=lambda a: statistics.fmean(by_arm[a])) if bases else None
+
+
 def best_stock_pooled(by_arm: dict[str, list[float]]) -> str | None:
     """The stock arm (any cap or drainer) with the lower mean over every repeat's requests, None when there is none."""
-    stock = [a for a in by_arm if a.startswith("stock")]
-    return min(stock, key=lambda a: statistics.fmean(by_arm[a])) if stock else None
+    return best_pooled(by_arm, "stock")
 
 
-def pooled_lines(ttfts: dict[float, dict[str, list[float]]]) -> list[str]:
-    """Per rate, every arm's mean and P99 TTFT over every repeat's requests together, and each of ours against the
-    stock arm with the lower pooled mean. A run's P99 is one of its slowest few requests and moves with them from
-    repeat to repeat; pooled over repeats it rests on several (nearest rank of n times the repeats)."""
+def pooled_lines(ttfts: dict[float, dict[str, list[float]]], baseline: str = "stock",
+                 order: Callable[[Iterable[str]], list[str]] = ordered_arms) -> list[str]:
+    """Per rate, every arm's mean and P99 TTFT over every repeat's requests together (arms in `order`), and each arm
+    not named like `baseline` against the baseline arm with the lowest pooled mean (`best_pooled`). A run's P99 is
+    one of its slowest few requests and moves with them from repeat to repeat; pooled over repeats it rests on
+    several (nearest rank of n times the repeats)."""
     lines = []
     for rate in sorted(ttfts):
         by_arm = ttfts[rate]
-        best = best_stock_pooled(by_arm)
+        best = best_pooled(by_arm, baseline)
         parts = []
-        for arm in ordered_arms(by_arm):
+        for arm in order(by_arm):
             v = by_arm[arm]
             text = f"{arm} {statistics.fmean(v):.2f} / {nearest_rank(v, 99):.2f} s (n {len(v)})"
-            if best and not arm.startswith("stock"):
+            if best and not arm.startswith(baseline):
                 b = by_arm[best]
                 text += (f", {statistics.fmean(v) / statistics.fmean(b):.2f}x / "
                          f"{nearest_rank(v, 99) / nearest_rank(b, 99):.2f}x {best}'s")
