@@ -16,6 +16,11 @@ fitted ones, with an overflow queue above a one-queue fit (plan.py). Each `build
   from their own remainder plus that spare pool. Borrowed tokens are charged to the lenders and
   return to them on finish (the paper leaves this open; charging the borrower would let the held
   tokens exceed the total).
+- Split: a prefill forward gives every request in it its first token only when the whole forward
+  ends, so small requests planned first are not kept in one forward with one far larger. A request
+  bringing more than `SPLIT_RATIO` times the new tokens of the largest request planned before it
+  (and at least `SPLIT_MIN_TOKENS`: below that a forward's time is mostly its fixed cost) is put
+  back at its place for the next batch, once per request.
 - `budget_tokens` (what the engine can take this iteration) caps the batch's admitted cost; with
   the engine's cap on adapters per batch given, a request that would need a new slot when none is
   left is passed over in every phase, keeping its place (slots.py; the slot a squash freed is
@@ -24,8 +29,8 @@ Starvation bound (tested under adversarial arrivals in tests/unit/test_sched_sta
 within one refresh period, let r head its queue with its adapter resident, and let the queue's
 available quota cover r's cost (or nothing of the queue run). Nothing else can take that quota
 (lending needs an empty queue, and nothing behind r passes it), so this stays true, and r is
-admitted by the first `build_batch` when no budget is given, or within `max_budget_skips + K`
-calls when every budget covers the largest queued cost. A memory-blocked r waits at most as
+admitted by the second `build_batch` when no budget is given (the first may split it off), or within
+`max_budget_skips + K + 1` calls when every budget covers the largest queued cost. A memory-blocked r waits at most as
 rules/memory_hold.py bounds.
 """
 
@@ -54,6 +59,14 @@ from sgl_multilora.sched.slots import AdapterSlots
 from sgl_multilora.sched.stats import QueueInfo, SchedStats
 
 
+SPLIT_RATIO = 8
+"""A batch puts off a request bringing more than this many times the new tokens of the largest
+planned before it (module docstring, Split)."""
+SPLIT_MIN_TOKENS = 512
+"""...and at least this many: a forward of fewer tokens costs about its fixed part (weights read
+once per forward), so splitting it off would delay it for nothing."""
+
+
 class MultiQueueScheduler:
     def __init__(self, config: SchedConfig, predictor: OutputLengthPredictor | None = None) -> None:
         self.config = config
@@ -76,7 +89,7 @@ class MultiQueueScheduler:
         """Rules beyond the paper (rules/), their hooks called in this order."""
         self.counts = {"admitted": 0, "finished": 0, "bypasses": 0, "squashes": 0, "refreshes": 0,
                        "pushed_back": 0, "slot_squashes": 0, "slot_squashed": 0, "slot_skips": 0,
-                       "memory_holds": 0, "stops_quota": 0, "stops_budget": 0, "stops_lookahead": 0,
+                       "memory_holds": 0, "deferred": 0, "stops_quota": 0, "stops_budget": 0, "stops_lookahead": 0,
                        "stops_bypass": 0, "stops_memory_hold": 0}
         self.last_stops: dict[int, Stop] = {}
         """Queue -> why the last batch admitted nothing more from it (drained queues are absent)."""
@@ -188,6 +201,7 @@ class MultiQueueScheduler:
                     break
                 if self.queues.len_of(q):
                     self._scan(q, ctx, batch, lenders)
+        batch = self._split(batch)
         for stop in self.last_stops.values():
             self.counts["stops_" + stop.reason] += 1
         self.last_passes = {"slot": ctx.slot_skips, "not_resident": ctx.not_resident}
@@ -195,6 +209,30 @@ class MultiQueueScheduler:
             rule.end_batch()
         self.num_batches += 1
         return batch
+
+    def _split(self, batch: list[SchedRequest]) -> list[SchedRequest]:
+        """The batch less the requests it puts off (module docstring, Split): each goes back to its
+        arrival position, its tokens returned, with no promotion counted (it was not overtaken)."""
+        largest, kept = 0, []
+        for r in batch:
+            if (largest and not r.deferred and r.new_len >= SPLIT_MIN_TOKENS
+                    and r.new_len > SPLIT_RATIO * largest):
+                r.deferred = True
+                self.counts["deferred"] += 1
+                self._unstart(r)
+                continue
+            largest = max(largest, r.new_len)
+            kept.append(r)
+        return kept
+
+    def _unstart(self, r: SchedRequest) -> None:
+        self._pop_running(r.rid)
+        r.admitted_at = None
+        self.counts["admitted"] -= 1
+        q = self.plan.route(r.wrs)
+        self.queues.push_in_order(r, q)
+        for rule in self.rules:
+            rule.requeued(r, q, False)
 
     def admit_alone(self, r: SchedRequest, ctx: BatchContext, batch: list[SchedRequest]) -> None:
         """Admits queued r charged wholly to its own queue, whatever its quota (a rule's hold)."""

@@ -53,6 +53,9 @@ class SchedRequest:
     resumed: bool = False
     """It ran and was taken back (squashed, or retracted by the engine): its first token is
     out, so no slot squash is made for it (rules/slot_squash.py)."""
+    deferred: bool = False
+    """A batch planned it behind far smaller requests and put it off to the next one
+    (`MultiQueueScheduler.build_batch`); that happens once per request."""
     memory_blocked_since: float | None = None
     """When a batch first found its adapter memory-blocked (it could not be made resident even
     after evicting every idle adapter) since it was last queued by a squash or a retraction; it

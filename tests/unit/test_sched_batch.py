@@ -276,8 +276,35 @@ def test_a_cached_prefix_makes_a_request_small():
     assert (follow_up.new_len, follow_up.cost_tokens, follow_up.queue) == (50, 100, 0)
     assert (fresh.new_len, fresh.cost_tokens, fresh.queue) == (900, 950, 2)
     assert math.isclose(follow_up.wrs, 0.05) and math.isclose(fresh.wrs, 0.39)
-    assert rids(s.build_batch(now=0.0)) == ["turn2", "fresh"]  # the small queue first, though it came second
+    assert rids(s.build_batch(now=0.0)) == ["turn2"]  # the small queue first, though it came second
+    assert rids(s.build_batch(now=1.0)) == ["fresh"]  # 900 new tokens > 8 x 50: split off to its own batch
     with pytest.raises(ValueError, match="cached tokens in a prompt"):
         s.add(SchedRequest("bad", "a", in_len=10, rank=8, cached_len=11))
     with pytest.raises(ValueError, match="negative size"):
         s.add(SchedRequest("neg", "a", in_len=10, rank=8, cached_len=-1))
+
+
+def test_a_batch_splits_off_a_request_far_larger_than_those_planned_before_it():
+    """A prefill forward ends for all its requests at once: the 1,000 new tokens of l1 (> 8 x m1's 110, and
+    over SPLIT_MIN_TOKENS) go to the next batch, at their place and with their tokens back, once. In the next
+    batch l1 goes in although a far smaller request came first again; l2, 1.7x of l1, goes with it. Large
+    requests alone are not split; nor is a request under SPLIT_MIN_TOKENS, whatever the ratio."""
+    from sgl_multilora.sched.multiqueue import SPLIT_MIN_TOKENS, SPLIT_RATIO
+    assert (SPLIT_RATIO, SPLIT_MIN_TOKENS) == (8, 512)
+    s = make([3000, 3000, 6000])
+    add_all(s, req("s1", 100), req("l1", 2000), req("m1", 220))
+    assert rids(s.build_batch(now=0.0)) == ["s1", "m1"]
+    assert s.ledger.held == [100, 220, 0] and s.counts["deferred"] == 1 and s.queues.head(2).rid == "l1"
+    s.check_invariants()
+    add_all(s, req("s2", 100), req("l2", 3400))
+    assert rids(s.build_batch(now=1.0)) == ["s2", "l1", "l2"]
+    assert s.counts["deferred"] == 1 and s.ledger.held == [200, 220, 5400]
+    s.check_invariants()
+
+    s = make([3000, 3000, 6000])
+    add_all(s, req("l1", 2000), req("l2", 2000))
+    assert rids(s.build_batch(now=0.0)) == ["l1", "l2"] and s.counts["deferred"] == 0
+
+    s = make([3000, 3000, 6000])
+    add_all(s, req("t1", 10), req("u1", 1000))  # 500 new tokens, 100x t1's, under SPLIT_MIN_TOKENS
+    assert rids(s.build_batch(now=0.0)) == ["t1", "u1"] and s.counts["deferred"] == 0
