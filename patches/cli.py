@@ -27,6 +27,8 @@ def from_cli_args(original, cls, args):
         given = list(getattr(args, "lora_paths", None) or [])
         args.lora_paths = given + [f"{name}={os.path.join(ours.adapter_dir, name)}" for name in found]
         args.enable_lora = True
+    if ours.adapter_source:
+        args.enable_lora = True
     ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
                                and not getattr(args, "disable_radix_cache", False))
     if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):

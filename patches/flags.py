@@ -43,6 +43,15 @@ def _directory(value: str) -> str:
     return os.path.realpath(value)
 
 
+def _adapter_source(value: str) -> tuple[str, str]:
+    from sgl_multilora.adapter_sources import parse_source
+
+    try:
+        return parse_source(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _number(cast, ok, what: str):
     """A parser of one number: `cast` it, then `ok(number)` or an argparse error saying it is not `what`."""
     def parse(value: str):
@@ -66,11 +75,11 @@ _positive_float = _number(float, lambda x: x > 0, "a positive number")
 
 
 def _flag(name: str, default, help: str, *, choices: tuple[str, ...] | None = None, parse=None,
-          metavar: str | None = None):
+          metavar: str | None = None, repeatable: bool = False):
     """A field set by the flag `name`: its help, and how a value is parsed (`choices`, `parse`; a bool default makes
-    a switch)."""
+    a switch; `repeatable`: each use adds one value to a tuple)."""
     return field(default=default, metadata={"flag": name, "help": help, "choices": choices, "parse": parse,
-                                            "metavar": metavar})
+                                            "metavar": metavar, "repeatable": repeatable})
 
 
 def _part(part: str, default, stock, help: str):
@@ -90,6 +99,18 @@ class MultiLoRAArgs:
         "--multilora-adapter-root", None, "Load adapters only from inside DIR (symlinks resolved): a "
         "/load_lora_adapter request for a path outside it gets HTTP 400 that reveals nothing about the path; a "
         "relative path is taken under DIR.", parse=_directory, metavar="DIR")
+    adapter_source: tuple = _flag(
+        "--multilora-adapter-source", (), "Resolve an adapter a request names but no process has loaded from this "
+        "source, by name, on its first request (repeatable; asked in order): a directory of adapter directories "
+        "(DIR/<name>/), 'hf-cache:DIR' (a Hugging Face hub cache, offline; names '<org>/<name>') or "
+        "'<scheme>:<arg>' of a resolver registered under the entry-point group sgl_multilora.adapter_resolvers. "
+        "Nothing is read at start-up; a name no source holds gets HTTP 400.", parse=_adapter_source,
+        metavar="[SCHEME:]DIR", repeatable=True)
+    host_adapter_gb: float = _flag(
+        "--multilora-host-adapter-gb", 0.0, "Budget of the adapters' host copies, in GB (1e9 bytes of weight files; "
+        "0: no limit): after each load, the least recently used adapters not in use and not pinned are unloaded "
+        "until the rest fit; one from a source is read again on its next request.", parse=_non_negative_float,
+        metavar="GB")
     max_adapter_mb: int = _flag(
         "--multilora-max-adapter-mb", 4096, "Largest adapter weight file (adapter_model.safetensors or .bin) the "
         "server loads, in MiB; a larger one gets HTTP 400 naming both sizes.", parse=_positive_int, metavar="MB")
@@ -113,9 +134,6 @@ class MultiLoRAArgs:
         "(SGLang's --schedule-policy alone) or 'multiqueue' (Chameleon's adapter-aware queues by weighted request "
         "size with per-queue token quotas, then SGLang's pass over the requests they pick).",
         choices=("stock", "multiqueue"))
-    requeue_s: float = _flag(
-        "--multilora-requeue-s", 300.0, "multiqueue: refit the queues' cut-offs and token quotas every S seconds "
-        "(0: only the first fit).", parse=_non_negative_float, metavar="S")
     ttft_slo_s: float = _flag(
         "--multilora-ttft-slo-s", 5.0, "multiqueue: the time-to-first-token SLO the quotas (Tok_min >= S D "
         "(1/SLO + lambda)) and the squash and hold rules are sized for, in seconds.", parse=_positive_float,
@@ -125,10 +143,6 @@ class MultiLoRAArgs:
         "this share of the TTFT SLO for an adapter slot gets one: the running requests of the adapter cheapest to "
         "recompute are retracted (before that, only a predicted SLO miss does it). Lower: shorter first-token "
         "waits, longer end-to-end times for the retracted requests.", parse=_fraction, metavar="FRACTION")
-    max_slot_squashes: int = _flag(
-        "--multilora-max-slot-squashes", 1, "multiqueue with --max-loras-per-batch: a running request is "
-        "retracted by slot squashes at most N times (0: no slot squash); each retraction costs it a recompute.",
-        parse=_non_negative_int, metavar="N")
     memory_hold_share: float = _flag(
         "--multilora-memory-hold-share", 0.5, "multiqueue with the unified pool: once a request's adapter has not "
         "fitted (even after evicting every idle adapter) for this share of the TTFT SLO, no other request is "
@@ -215,6 +229,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(meta["flag"], dest=PREFIX + f.name, action="store_true", default=f.default,
                                help=meta["help"])
             continue
+        if meta["repeatable"]:
+            group.add_argument(meta["flag"], dest=PREFIX + f.name, default=[], type=meta["parse"], action="append",
+                               metavar=meta["metavar"], help=meta["help"])
+            continue
         group.add_argument(meta["flag"], dest=PREFIX + f.name, default=f.default, choices=meta["choices"],
                            type=meta["parse"], metavar=meta["metavar"], help=meta["help"])
     group.add_argument(STOCK_BASELINE, dest=PREFIX + "stock_baseline", type=_stock_parts, action="extend",
@@ -229,6 +247,8 @@ def pop_from_namespace(namespace: argparse.Namespace) -> MultiLoRAArgs:
         attr = PREFIX + f.name
         if hasattr(namespace, attr):
             values[f.name] = getattr(namespace, attr)
+            if f.metadata["repeatable"]:
+                values[f.name] = tuple(values[f.name])
             delattr(namespace, attr)
     parts = _parts()
     for part in getattr(namespace, PREFIX + "stock_baseline", None) or ():
@@ -250,7 +270,13 @@ def current() -> MultiLoRAArgs:
 
 @functools.lru_cache(maxsize=4)
 def _parse(raw: str) -> MultiLoRAArgs:
-    return MultiLoRAArgs(**json.loads(raw)) if raw else MultiLoRAArgs()
+    if not raw:
+        return MultiLoRAArgs()
+    values = json.loads(raw)
+    for f in _flags():
+        if f.metadata["repeatable"] and f.name in values:  # JSON made the tuples lists
+            values[f.name] = tuple(tuple(v) if isinstance(v, list) else v for v in values[f.name])
+    return MultiLoRAArgs(**values)
 
 
 def _cell(text: str) -> str:
@@ -258,7 +284,7 @@ def _cell(text: str) -> str:
 
 
 def _default(value) -> str:
-    if value is None:
+    if value is None or value == ():
         return "none"
     if isinstance(value, bool):
         return "off" if not value else "on"

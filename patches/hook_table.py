@@ -156,6 +156,16 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint(f"{_TM}.load_lora_adapter", Kind.HOOK, "patches.adapter_paths:load_lora_adapter", ("self", "obj"),
                "/load_lora_adapter: HTTP 400 revealing nothing for a path outside --multilora-adapter-root",
                Process.HTTP, "around", also=("sglang.srt.managers.io_struct.LoadLoRAAdapterReqOutput",)),
+    TouchPoint(f"{_TM}._resolve_lora_path", Kind.HOOK, "patches.on_demand:resolve_lora_path", ("self", "obj"),
+               "adapters on demand: a name no process has loaded is resolved from --multilora-adapter-source and "
+               "loaded through SGLang's own load_lora_adapter (one load per name at a time); the host tier's budget "
+               "unloads the least recently used; an unknown name's HTTP 400 does not list other adapters",
+               Process.HTTP, "around", also=("sglang.srt.managers.io_struct.LoadLoRAAdapterReqInput",
+                                             "sglang.srt.managers.io_struct.UnloadLoRAAdapterReqInput",
+                                             f"{_TM}._unload_lora_adapter_locked")),
+    _hook(f"{_TM}.unload_lora_adapter", "around", "on_demand:unload_lora_adapter", ("self", "obj"),
+          "an adapter a user unloads is forgotten: SGLang 0.5.23 would reload it quietly from its old path",
+          Process.HTTP),
     _hook(f"{_TM}._validate_and_resolve_lora", "around", "ingress:validate_and_resolve_lora", ("self", "obj"),
           "HTTP 400 for a client-supplied lora_id: adapters are resolved by the server from lora_path",
           Process.HTTP),

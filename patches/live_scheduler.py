@@ -56,8 +56,7 @@ class LiveScheduler:
         manager = getattr(lora, "lora_manager", None)
         max_rank = int(getattr(manager, "max_lora_rank", 0) or 64)
         config = SchedConfig(total_tokens=int(scheduler.max_total_num_tokens), ttft_slo_s=args.ttft_slo_s,
-                             requeue_s=args.requeue_s if args.requeue_s > 0 else math.inf,
-                             slot_squash_share=args.slot_squash_share, max_slot_squashes=args.max_slot_squashes,
+                             slot_squash_share=args.slot_squash_share,
                              memory_hold_share=args.memory_hold_share if args.memory_hold_share > 0 else math.inf,
                              initial_norm=WrsNormalizer(max_in_len=4096, max_out_len=1024, max_rank=max_rank))
         self.mq = MultiQueueScheduler(config)

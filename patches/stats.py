@@ -1,7 +1,9 @@
 """`GET /multilora/stats`: the LoRA-aware tree's counters, read from every scheduler over SGLang's own channel.
 
 The HTTP process asks the schedulers with SGLang's `GetInternalStateReq` (the message behind `/server_info`), and
-each scheduler adds its tree's `TreeStats` under the key "multilora". No files, no shared globals.
+each scheduler adds its tree's `TreeStats` under the key "multilora". No files, no shared globals. The HTTP process
+adds its own part: the adapter tiers of `--multilora-adapter-source` / `--multilora-host-adapter-gb`
+(`adapter_tiers`, `patches/on_demand.py`; null without either flag).
 """
 
 from __future__ import annotations
@@ -132,12 +134,19 @@ def add_routes(*args, **kwargs):
         return PlainTextResponse(prometheus_text(per_rank, memory),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def adapter_tiers() -> dict | None:
+        from sgl_multilora.patches import on_demand
+
+        tm = http_server.get_global_state().tokenizer_manager
+        od = on_demand.state(tm)
+        return od.snapshot(tm) if od is not None else None
+
     @http_server.app.get(ROUTE)
     async def multilora_stats():
         per_rank, memory = await read()
         if all(s is None for s in per_rank):
             return {"enabled": False, "reason": "the server runs without --radix-cache-backend multilora",
-                    "memory": memory}
-        return {"enabled": True, "schedulers": per_rank, "memory": memory}
+                    "memory": memory, "adapter_tiers": adapter_tiers()}
+        return {"enabled": True, "schedulers": per_rank, "memory": memory, "adapter_tiers": adapter_tiers()}
 
     return None

@@ -12,10 +12,9 @@ Baselines at their best: `fcfs-drain` is fcfs with SGLang's LoRA drainer (`--lor
 SLO: an adapter waiting that long for a batch slot stops new admissions of the running adapter closest to done),
 the stock answer to the per-batch adapter cap that the multi-queue's slot squash also answers. Optional arm
 `multiqueue-squash25`: multiqueue with `--multilora-slot-squash-share 0.25` (a slot squash after a quarter of the SLO
-spent waiting for an adapter slot, not half). Optional arms `multiqueue-slots1` / `multiqueue-slots2`: multiqueue with
-`--multilora-max-slot-squashes 1` / `2` (a running request retracted by slot squashes at most once / twice). Optional
-arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1 --multilora-max-slot-squashes 2`, the setting the simulator
-favours at GPU scale under SGLang's cap of 8 (eval/RESULTS.md).
+spent waiting for an adapter slot, not half). Optional
+arm `multiqueue-eager`: `--multilora-slot-squash-share 0.1`, the share the simulator favours at GPU scale under
+SGLang's cap of 8 (eval/RESULTS.md; the server retracts a request by slot squashes at most once).
 
 Per arm and rate also: SLO goodput (requests per second answered within the TTFT SLO) and mean end-to-end latency
 (what a squash costs the requests it retracts shows there, not in TTFT). Per arm: its max rate under the TTFT SLO,
@@ -101,9 +100,7 @@ def main() -> None:
         return
     known = {**ARMS, "fcfs-drain": [*ARMS["fcfs"], "--lora-drain-wait-threshold", f"{args.slo_s / 2:g}"],
              "multiqueue-squash25": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.25"],
-             **{f"multiqueue-slots{n}": [*ARMS["multiqueue"], "--multilora-max-slot-squashes", str(n)] for n in (1, 2)},
-             "multiqueue-eager": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.1",
-                                  "--multilora-max-slot-squashes", "2"]}
+             "multiqueue-eager": [*ARMS["multiqueue"], "--multilora-slot-squash-share", "0.1"]}
     unknown = [a for a in args.arms.split(",") if a not in known]
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {sorted(known)}")
@@ -119,8 +116,7 @@ def main() -> None:
     max_rank = max(a.rank for a in workload.adapters)
     common = ["--multilora-adapter-dir", str(adapters_dir), "--max-loras-per-batch", str(args.max_loras_per_batch),
               "--max-lora-rank",
-              str(max_rank), "--radix-cache-backend", "multilora", "--multilora-ttft-slo-s", str(args.slo_s),
-              "--multilora-requeue-s", "10"]
+              str(max_rank), "--radix-cache-backend", "multilora", "--multilora-ttft-slo-s", str(args.slo_s)]
     log_dir = REPO / ".cache" / "bench_logs"  # a log per output file and arm: a later run keeps this run's logs
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}

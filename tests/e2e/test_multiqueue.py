@@ -28,7 +28,7 @@ SLO_S = 20
 def server(model_path):
     handle = start_server(model_path, [
         "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "4", "--max-lora-rank", "32",
-        "--radix-cache-backend", "multilora", "--multilora-scheduler", "multiqueue", "--multilora-requeue-s", "5",
+        "--radix-cache-backend", "multilora", "--multilora-scheduler", "multiqueue",
         "--chunked-prefill-size", "128", "--multilora-check-invariants",
         # the slot squash after SLO_S / 8 = 2.5 s of waiting, as the default share does at the default SLO of 5 s; the
         # longer SLO keeps victims whose recompute the server's measured prefill rate prices above the SLO rare (a

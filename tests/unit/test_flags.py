@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -45,8 +46,10 @@ def test_defaults_and_values(tmp_path):
         (["--multilora-ttft-slo-s", "0"], "is not a positive number"),
         (["--multilora-max-adapter-mb", "0"], "is not a positive integer"),
         (["--multilora-slot-squash-share", "-0.1"], "is not a number between 0 and 1"),
-        (["--multilora-max-slot-squashes", "-1"], "is not a non-negative integer"),
-        (["--multilora-max-slot-squashes", "1.5"], "is not a non-negative integer"),
+        (["--multilora-adapter-source", "/no/such/dir"], "is not a directory"),
+        (["--multilora-adapter-source", "nosuchscheme:x"], "no adapter resolver is registered for 'nosuchscheme'"),
+        (["--multilora-adapter-source", "hf-cache:/no/such/dir"], "'/no/such/dir' is not a directory"),
+        (["--multilora-host-adapter-gb", "-1"], "is not a number >= 0"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, message, capsys):
@@ -91,8 +94,9 @@ def test_memory_flags(monkeypatch):
         "separate", "lru", 0.5, 100.0)
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-slot-squash-share", "0.25"])
     assert flags.pop_from_namespace(ns).slot_squash_share == 0.25
-    ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-max-slot-squashes", "0"])
-    assert flags.pop_from_namespace(ns).max_slot_squashes == 0
+    ns = parser().parse_args(["--multilora-adapter-source", "/tmp", "--multilora-adapter-source", "hf-cache:/tmp"])
+    assert flags.pop_from_namespace(ns).adapter_source == (("dir", os.path.realpath("/tmp")),
+                                                           ("hf-cache", os.path.realpath("/tmp")))
     assert flags.MultiLoRAArgs().memory_hold_share == 0.5
     ns = parser().parse_args(["--multilora-scheduler", "multiqueue", "--multilora-memory-hold-share", "0"])
     assert flags.pop_from_namespace(ns).memory_hold_share == 0.0
@@ -138,7 +142,8 @@ def test_help_defaults_and_docs_come_from_one_description():
     assert set(actions) == set(described) | {"--multilora-stock-baseline"} and len(actions) <= 15
     for name, f in described.items():
         action = actions[name]
-        assert (action.dest, action.default, action.help) == ("multilora_" + f.name, f.default, f.metadata["help"])
+        default = tuple(action.default) if f.metadata["repeatable"] else action.default  # append: a list
+        assert (action.dest, default, action.help) == ("multilora_" + f.name, f.default, f.metadata["help"])
         assert tuple(action.choices or ()) == (f.metadata["choices"] or ())
         assert re.fullmatch(r"--multilora-[a-z0-9-]+", name) and name == "--multilora-" + f.name.replace("_", "-")
     docs = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
