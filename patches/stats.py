@@ -124,6 +124,13 @@ def add_routes(*args, **kwargs):
     if any(getattr(route, "path", None) == ROUTE for route in http_server.app.routes):
         return None
 
+    def adapter_tiers() -> dict | None:
+        from sgl_multilora.patches import on_demand
+
+        tm = http_server.get_global_state().tokenizer_manager
+        od = on_demand.state(tm)
+        return od.snapshot(tm) if od is not None else None
+
     async def read():
         states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
         return [state.get("multilora") for state in states], [state.get("multilora_memory") for state in states]
@@ -131,15 +138,8 @@ def add_routes(*args, **kwargs):
     @http_server.app.get(METRICS_ROUTE)
     async def multilora_metrics():
         per_rank, memory = await read()
-        return PlainTextResponse(prometheus_text(per_rank, memory),
+        return PlainTextResponse(prometheus_text(per_rank, memory, adapter_tiers()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def adapter_tiers() -> dict | None:
-        from sgl_multilora.patches import on_demand
-
-        tm = http_server.get_global_state().tokenizer_manager
-        od = on_demand.state(tm)
-        return od.snapshot(tm) if od is not None else None
 
     @http_server.app.get(ROUTE)
     async def multilora_stats():

@@ -20,19 +20,20 @@ from collections.abc import Iterable, Sequence
 PREFIX = "sgl_multilora"
 
 
-def prometheus_text(trees: Sequence[dict | None], memory: Sequence[dict | None]) -> str:
+def prometheus_text(trees: Sequence[dict | None], memory: Sequence[dict | None], tiers: dict | None = None) -> str:
     """Prometheus exposition text of the per-scheduler tree stats (`TreeStats` as a dict, or None without the
-    tree) and memory views (`patches/stats.py`'s, or None). Absent figures give no sample."""
+    tree) and memory views (`patches/stats.py`'s, or None), and of the HTTP process's adapter tiers
+    (`patches/on_demand.py`'s snapshot, or None). Absent figures give no sample."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(trees, memory))
+    registry.register(_Collector(trees, memory, tiers))
     return generate_latest(registry).decode()
 
 
 class _Collector:
-    def __init__(self, trees: Sequence[dict | None], memory: Sequence[dict | None]) -> None:
-        self.trees, self.memory = trees, memory
+    def __init__(self, trees: Sequence[dict | None], memory: Sequence[dict | None], tiers: dict | None) -> None:
+        self.trees, self.memory, self.tiers = trees, memory, tiers
 
     def describe(self):
         return []
@@ -113,4 +114,16 @@ class _Collector:
                 counter("tree_hit_tokens", "Tokens of KV reused, by kind", {**r, "kind": kind}, value)
             gauge("tree_tokens", "KV tokens the tree holds", r, t.get("total_len"))
             counter("tree_evicted_tokens", "KV tokens the tree evicted", r, t.get("num_evicted_tokens"))
+        if self.tiers:
+            source, host = self.tiers.get("source") or {}, self.tiers.get("host") or {}
+            for outcome in ("loads", "refused", "failed_loads"):
+                counter("source_adapters", "Adapters asked of the sources on a first request, by outcome",
+                        {"outcome": outcome}, source.get(outcome))
+            for phase in ("resolve", "read", "load"):
+                counter("source_load_seconds", "Seconds spent bringing adapters in from the sources, by phase",
+                        {"phase": phase}, source.get(f"{phase}_s"))
+            gauge("host_adapters", "Adapters with a host copy", {}, host.get("adapters"))
+            gauge("host_adapter_bytes", "Bytes of the adapters' host copies (weight files)", {}, host.get("bytes"))
+            counter("host_adapter_hits", "Adapter names of requests already loaded", {}, host.get("hits"))
+            counter("host_adapter_drops", "Host copies dropped for the budget", {}, host.get("drops"))
         return list(families.values())

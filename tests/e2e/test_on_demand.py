@@ -183,6 +183,8 @@ def test_host_budget_drops_least_recent_and_a_dropped_adapter_comes_back(server,
         generate(server, name, random_ids(tokenizer, 30, 90), 2)
     t = tiers(server)
     assert t["host"]["drops"] >= 1 and t["host"]["bytes"] <= budget, t
+    metrics = requests.get(server.url + "/multilora/metrics", timeout=60).text
+    assert f"sgl_multilora_host_adapter_drops_total {float(t['host']['drops'])}" in metrics, metrics[-2000:]
     dropped = next(n for n in ("r8_qv", "alora_v", "bulk-0007", "r64_qkvo") if n not in t["host"]["resident"])
     ids = prompt(tokenizer, dropped, 91)
     loads = t["source"]["loads"]

@@ -67,3 +67,18 @@ def test_a_server_without_the_tree_or_the_pool_reports_what_it_has():
     assert got[("sgl_multilora_kv_slots", (("rank", "0"), ("state", "free")))] == 2000
     assert not [k for k in got if k[0].startswith(("sgl_multilora_pool", "sgl_multilora_tree"))]
     assert prometheus_text([], []) == ""
+
+
+def test_the_adapter_tiers_are_samples_of_their_own():
+    tiers = {"sources": ["/src"], "source": {"resolved": 3, "refused": 2, "loads": 3, "failed_loads": 1,
+                                             "resolve_s": 0.01, "read_s": 0.02, "load_s": 0.5, "last_load": {}},
+             "host": {"adapters": 2, "resident": ["a", "b"], "bytes": 4096, "budget_bytes": 10_000, "hits": 7,
+                      "drops": 1, "loads_in_flight": 0}}
+    text = prometheus_text([], [], tiers)
+    got = samples(text)
+    assert got[("sgl_multilora_source_adapters_total", (("outcome", "refused"),))] == 2
+    assert got[("sgl_multilora_source_load_seconds_total", (("phase", "load"),))] == 0.5
+    assert got[("sgl_multilora_host_adapter_bytes", ())] == 4096
+    assert got[("sgl_multilora_host_adapter_drops_total", ())] == 1
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert types["sgl_multilora_host_adapters"] == "gauge" and types["sgl_multilora_host_adapter_hits"] == "counter"
