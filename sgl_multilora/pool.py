@@ -232,12 +232,15 @@ class UnifiedPool:
         if not self.track_ids:
             return SlotRuns(num_slots)
         if contiguous:
-            slots = SlotRuns(num_slots, self._take_top(num_slots))
-            ids = slots.array()
+            runs = self._take_top(num_slots)
+            slots = SlotRuns(num_slots, runs)
+            where = slice(runs[0][0], runs[0][0] + num_slots) if len(runs) == 1 else slots.array()
         else:
-            ids = self._take_front(num_slots)
+            where = ids = self._take_front(num_slots)  # ascending and distinct: one run when its ends say so
             slots = SlotRuns(num_slots, ids=ids)
-        self._kind[ids] = _CODE[kind]
+            if num_slots and int(ids[-1]) - int(ids[0]) == num_slots - 1:
+                where = slice(int(ids[0]), int(ids[-1]) + 1)
+        self._kind[where] = _CODE[kind]
         if contiguous:
             self._drop_taken()
         return slots
@@ -248,22 +251,22 @@ class UnifiedPool:
 
     def move(self, src: str, dst: str, slots: int | SlotRuns | Sequence[int] | np.ndarray) -> None:
         """Re-labels slots from kind `src` to `dst` (ids required when the pool tracks them)."""
-        n, ids = self._resolve(src, slots)
+        n, ids, where = self._resolve(src, slots)
         assert dst in _CODE, f"unknown slot kind {dst!r}; kinds: {KINDS}"
         self._num[src] -= n
         self._num[dst] += n
-        if ids is not None:
-            self._kind[ids] = _CODE[dst]
+        if ids is not None and n:
+            self._kind[where] = _CODE[dst]
 
     def release(self, kind: str, slots: int | SlotRuns | Sequence[int] | np.ndarray) -> None:
         """Frees slots of `kind` (ids required when the pool tracks them): they join the free list at its
         next merge."""
-        n, ids = self._resolve(kind, slots)
+        n, ids, where = self._resolve(kind, slots, keep=True)
         self._num[kind] -= n
         self._num_free += n
         self.num_releases += n > 0
         if ids is not None and n:
-            self._kind[ids] = _FREE
+            self._kind[where] = _FREE
             self._freed.append(ids)
 
     def release_all(self, kind: str) -> int:
@@ -331,8 +334,10 @@ class UnifiedPool:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _resolve(self, kind: str, slots) -> tuple[int, np.ndarray | None]:
-        """(count, ids or None without ids) of `slots`, checked against `kind`'s count and each slot's kind."""
+    def _resolve(self, kind: str, slots, *, keep: bool = False) -> tuple[int, np.ndarray | None, object]:
+        """(count, ids or None without ids, where to index the kind codes) of `slots`, checked against `kind`'s
+        count and each slot's kind. `keep`: the ids may be kept (the free list): a caller's array is copied.
+        Where: a slice when the ids are one ascending run (no gather), else the ids."""
         assert kind in _CODE, f"unknown slot kind {kind!r}; kinds: {KINDS}"
         if isinstance(slots, int):
             assert not self.track_ids, "this pool tracks slot ids: pass the ids (or the SlotRuns) back"
@@ -342,19 +347,28 @@ class UnifiedPool:
         else:
             if isinstance(slots, SlotRuns):
                 ids = slots.array()
+            elif type(slots) is np.ndarray and slots.dtype == np.int64 and slots.ndim == 1 and not keep:
+                ids = slots
             else:
-                ids = _checked_ids(np.array(slots, dtype=np.int64).reshape(-1))  # a copy: the free list may keep it
+                ids = np.array(slots, dtype=np.int64).reshape(-1)  # a copy: the free list may keep it
             n = len(ids)
         assert 0 <= n <= self._num[kind], f"{n} slots of {kind} given back but only {self._num[kind]} are held"
-        if ids is not None and n:
-            assert 0 <= ids.min() and ids.max() < self.num_slots, f"slot ids outside [0, {self.num_slots})"
-            wrong = self._kind[ids] != _CODE[kind]
-            if wrong.any():
-                bad = int(ids[int(np.argmax(wrong))])
-                start, length = next((s, k) for s, k in runs_of(ids) if s <= bad < s + k)
-                raise AssertionError(f"slots [{start}, {start + length}) are not all {kind}: "
-                                     "freed twice or of another kind")
-        return n, ids
+        if ids is None or not n:
+            return n, ids, None
+        if n == 1 or not np.count_nonzero(ids[1:] <= ids[:-1]):  # ascending, so distinct
+            lo, hi = int(ids[0]), int(ids[-1])
+            where = slice(lo, hi + 1) if hi - lo == n - 1 else ids  # one run: indexed without a gather
+        else:
+            ordered = _checked_ids(ids, sort=True)  # raises on a repeated id
+            lo, hi, where = int(ordered[0]), int(ordered[-1]), ids
+        assert 0 <= lo and hi < self.num_slots, f"slot ids outside [0, {self.num_slots})"
+        wrong = self._kind[where] != _CODE[kind]
+        if np.count_nonzero(wrong):
+            bad = int(ids[int(np.argmax(wrong))])  # a slice's codes are the run's, in the same order
+            start, length = next((s, k) for s, k in runs_of(ids) if s <= bad < s + k)
+            raise AssertionError(f"slots [{start}, {start + length}) are not all {kind}: "
+                                 "freed twice or of another kind")
+        return n, ids, where
 
     def _take_front(self, num_slots: int) -> np.ndarray:
         if len(self._free) - self._head < num_slots:  # merge what was freed since, sorted (SGLang's way)
