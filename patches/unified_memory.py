@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from itertools import islice
 
@@ -151,7 +150,7 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
 def _slot_ids(indices) -> np.ndarray:
     """The pool's slot ids (index - 1) of KV indices (an int64 tensor or a list), as a fresh int64 array."""
     if isinstance(indices, torch.Tensor):
-        return indices.cpu().numpy().astype(np.int64).reshape(-1) - 1
+        return np.subtract(indices.cpu().numpy().reshape(-1), 1, dtype=np.int64)
     return np.array(indices, dtype=np.int64) - 1
 
 
@@ -383,7 +382,11 @@ class LiveMemory:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
         non-resident adapter is not counted)."""
         identity, resident = process_state().adapters.identity, self.residency.is_resident
-        counts = Counter([identity(r.lora_id) for r in reqs if r.lora_id is not None])
+        counts: dict[str, int] = {}
+        for r in reqs:
+            if r.lora_id is not None:
+                i = identity(r.lora_id)
+                counts[i] = counts.get(i, 0) + 1
         for i in [i for i in counts if i is None or not resident(i)]:
             del counts[i]
         self.residency.set_running(counts)
