@@ -165,24 +165,31 @@ class EloraPolicy(BasePolicy):
         if not items:
             return []
         ctx, drop = self.context, self.drop
+        n = len(items)
         is_adapter, size, cost, visits = ctx.columns(items)
-        total = np.zeros(len(items))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            if "lora_count" not in drop:
-                for kind in (False, True):
-                    where = is_adapter == kind
-                    if where.any():
-                        f = self.lora_factor(items[int(np.argmax(where))])
-                        total[where] += math.log(f) if f > 0 else -math.inf
-            if "cost" not in drop:
-                if self.block_bytes is not None:
-                    cost = cost * self.block_bytes / np.maximum(1, size)
-                total += np.where(cost > 0, np.log(cost), -np.inf)
-            if "visit" not in drop:
-                v = visits / ctx.total_visits()
-                total += np.where(v > 0, np.log(v), -np.inf)
+        total = np.zeros(n)
+        if "lora_count" not in drop:
+            num_adapters = int(np.count_nonzero(is_adapter))
+            for kind in (False, True):
+                count = num_adapters if kind else n - num_adapters
+                if not count:
+                    continue
+                at = int(np.argmax(is_adapter == kind)) if count < n else 0
+                f = self.lora_factor(items[at])
+                factor = math.log(f) if f > 0 else -math.inf
+                if count == n:
+                    total = np.full(n, factor)  # 0 + factor, as the masked add below gives
+                else:
+                    total[is_adapter == kind] += factor
+        if "cost" not in drop:
+            if self.block_bytes is not None:
+                cost = cost * self.block_bytes / np.maximum(1, size)
+            total += np.log(cost, out=np.full(n, -np.inf), where=cost > 0)
+        if "visit" not in drop:
+            v = visits / ctx.total_visits()
+            total += np.log(v, out=np.full(n, -np.inf), where=v > 0)
         if "recency" not in drop:
-            last = np.fromiter(map(_last_access, items), np.float64, len(items))
+            last = np.fromiter(map(_last_access, items), np.float64, n)
             t = np.maximum(0.0, now - last) / self.tau_s
             total -= t + np.log1p(np.exp(-t))  # log(1 - sigmoid(t)) for t >= 0
         return total.tolist()

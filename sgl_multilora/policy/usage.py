@@ -147,6 +147,12 @@ class UsageStats:
             lens = np.fromiter(map(len, map(_key, items)), np.float64, n)
             visits = np.fromiter(map(sum, map(dict.values, map(_hits, items))), np.float64, n) + 1
             return np.zeros(n, bool), lens * self.kv_bytes_per_token, lens * self.kv_reload_s_per_token, visits
+        if set(map(type, items)) == {AdapterRecord}:  # adapter records only (the evictor's other batch)
+            sizes = [self.records[r.name].size_bytes for r in items]
+            reload_s, uses = self.adapter_reload_s, self._uses
+            rows = [(size, reload_s(size), uses[r.name] + 1) for r, size in zip(items, sizes)]
+            size, cost, visits = (np.array(c, dtype=np.float64) for c in zip(*rows))
+            return np.ones(n, bool), size, cost, visits
         is_adapter = np.fromiter((isinstance(i, AdapterRecord) or i.kind is NodeKind.ADAPTER for i in items), bool, n)
         rows = [(self.size_bytes(i), self.reload_cost_s(i), self.visits(i)) for i in items]
         size, cost, visits = (np.array(c, dtype=np.float64) for c in zip(*rows))
