@@ -256,7 +256,18 @@ class Swapper:
         `evictable_len()` and the free slots, the room the next batch can have (SGLang's `evictable_size`).
         Pure query."""
         res, namespaces = self.residency, self._lock_scopes()
-        return sum(res.entry(i).num_slots for i in res.resident_ids() if self._reclaimable(i, namespaces))
+        total = 0
+        for adapter_id in res.resident_ids():  # `_reclaimable` of each, written out: once per admission pass
+            e = res.entry(adapter_id)
+            if e.num_running:
+                continue
+            for children in namespaces:
+                n = children.get(adapter_id)
+                if n is not None and n.lock_ref:
+                    break
+            else:
+                total += e.num_slots
+        return total
 
     def adapter_reclaimable(self, adapter_id: str) -> bool:
         """Whether the adapter's slots count in `reclaimable_adapter_slots` now. Pure query."""
