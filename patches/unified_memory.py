@@ -192,6 +192,8 @@ class LiveMemory:
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
+        self._running_counts: dict[str, int] | None = None  # the last counts set_running gave the residency,
+        self._running_version = -1  # and the residency's version right after
         self.swapper.wanted = lambda: self._wanted
         self.waiting_key = waiting_key
 
@@ -389,15 +391,20 @@ class LiveMemory:
                 counts[i] = counts.get(i, 0) + 1
         for i in [i for i in counts if i is None or not resident(i)]:
             del counts[i]
-        self.residency.set_running(counts)
+        res = self.residency
+        if counts == self._running_counts and res.version == self._running_version:
+            return  # the counts it holds are these: nothing changed since they were set
+        res.set_running(counts)
+        self._running_counts, self._running_version = counts, res.version
 
     def set_wanted(self, waiting_reqs) -> None:
         """The adapters waiting requests name, and the first WANTED_KV_SCAN requests' cached prefixes (read at each
         admission pass): the swapper evicts both after every other candidate. The prefixes are matched only when
         an eviction first needs them (`Swapper.set_waiting`), at most once per pass."""
-        registry = process_state().adapters
-        self._wanted = {i for i in (registry.identity(r.lora_id) for r in waiting_reqs if r.lora_id is not None)
-                        if i is not None}
+        identity = process_state().adapters.identity
+        wanted = {identity(lora_id) for lora_id in {r.lora_id for r in waiting_reqs}}  # each distinct id once
+        wanted.discard(None)  # the base model, an unknown id
+        self._wanted = wanted
         head, key = list(islice(waiting_reqs, WANTED_KV_SCAN)), self.waiting_key
         self.swapper.set_waiting(None if key is None else lambda: filter(None, map(key, head)))
 

@@ -64,6 +64,8 @@ class AdapterResidency:
         self._loading: dict[str, None] = {}
         self._running: set[str] = set()  # adapters with num_running > 0
         self.num_loads = 0  # loads started (on demand and prefetched)
+        # Bumped by every change of an adapter's state or running count: equal values mean nothing changed between.
+        self.version = 0
         for adapter_id, n in num_slots.items():
             self.add(adapter_id, n)
 
@@ -75,6 +77,7 @@ class AdapterResidency:
             raise ExceedsPoolError(f"adapter {adapter_id!r}", num_slots, self.pool.num_slots,
                                    self.pool.slot_bytes)
         self._entries[adapter_id] = AdapterEntry(adapter_id, num_slots)
+        self.version += 1
 
     def remove(self, adapter_id: str) -> None:
         """Forgets an absent adapter (unloaded by its user). Asserts it is absent and unused."""
@@ -82,6 +85,7 @@ class AdapterResidency:
         assert e.state is AdapterState.ABSENT and e.num_running == 0, (
             f"removing adapter {adapter_id!r} that is {e.state.value} with {e.num_running} running requests")
         del self._entries[adapter_id]
+        self.version += 1
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class AdapterResidency:
             return None
         e.state, e.slots = AdapterState.LOADING, slots
         self._loading[adapter_id] = None
+        self.version += 1
         self.num_loads += 1
         return slots
 
@@ -146,6 +151,7 @@ class AdapterResidency:
         e.state = AdapterState.RESIDENT
         del self._loading[adapter_id]
         self._resident[adapter_id] = None
+        self.version += 1
         if self.usage is not None:
             self.usage.set_resident(adapter_id, True)
 
@@ -156,6 +162,7 @@ class AdapterResidency:
         self.pool.release("in_flight", e.slots)
         e.state, e.slots = AdapterState.ABSENT, None
         del self._loading[adapter_id]
+        self.version += 1
 
     def complete_loads(self, loader: Loader) -> list[str]:
         """Finishes every load `loader` reports done, in the order they started; returns their ids."""
@@ -172,6 +179,7 @@ class AdapterResidency:
         self.pool.release("adapter", e.slots)
         e.state, e.slots = AdapterState.ABSENT, None
         del self._resident[adapter_id]
+        self.version += 1
         if self.usage is not None:
             self.usage.set_resident(adapter_id, False)
 
@@ -181,11 +189,13 @@ class AdapterResidency:
         assert e.state is AdapterState.RESIDENT, f"request admitted on adapter {adapter_id!r}, {e.state.value}"
         e.num_running += 1
         self._running.add(adapter_id)
+        self.version += 1
 
     def release(self, adapter_id: str) -> None:
         e = self._entries[adapter_id]
         assert e.num_running > 0, f"release of adapter {adapter_id!r} that no running request holds"
         e.num_running -= 1
+        self.version += 1
         if not e.num_running:
             self._running.discard(adapter_id)
 
@@ -205,6 +215,7 @@ class AdapterResidency:
             if n:
                 running.add(adapter_id)
         self._running = running
+        self.version += 1
 
     # ---- invariants ------------------------------------------------------------------------------
 
