@@ -403,7 +403,7 @@ class Swapper:
         """Every candidate now, in eviction order (see `_EvictionOrder`): the unlocked KV leaves and the evictable
         adapters, each keyed (tier, score, kind, id)."""
         leaves = self.tree.evictable_leaves()
-        adapters = [a for a in self.residency.resident_ids() if self._adapter_evictable(a, protect)]
+        adapters = self._evictable_adapters(protect)
         scores = self.policy.score_many([self.records[a] for a in adapters], now)
         side = [(int(a in wanted), s, 1, a, a) for s, a in zip(scores, adapters)]
         return _EvictionOrder(leaves, self.policy.score_many(leaves, now), wanted_kv, side)
@@ -411,6 +411,22 @@ class Swapper:
     def adapter_nodes(self, adapter_id: str) -> list[Node]:
         """The adapter's node in every namespace that has one (a snapshot). Pure query."""
         return [ns.children[adapter_id] for ns in self.tree.root.children.values() if adapter_id in ns.children]
+
+    def _evictable_adapters(self, protect: str | None) -> list[str]:
+        """The resident adapters `_adapter_evictable` admits, in residency order (its checks written out once for all)."""
+        res = self.residency
+        namespaces = list(self.tree.root.children.values()) if self.dependency else ()
+        out = []
+        for adapter_id in res.resident_ids():
+            if adapter_id == protect or res.entry(adapter_id).num_running:
+                continue
+            for ns in namespaces:  # the adapter's node in every namespace: a bare leaf
+                n = ns.children.get(adapter_id)
+                if n is not None and (n.children or n.dependents or n.lock_ref):
+                    break
+            else:
+                out.append(adapter_id)
+        return out
 
     def _adapter_evictable(self, adapter_id: str, protect: str | None) -> bool:
         if adapter_id == protect or not self.residency.is_resident(adapter_id):
