@@ -142,7 +142,8 @@ class UsageStats:
 
     def columns(self, items: Sequence[object]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         n = len(items)
-        if not n or (set(map(type, items)) == {Node} and _ADAPTER not in set(map(_kind, items))):
+        # (`in` over the kinds, not a set of them: enum members hash in Python)
+        if not n or (set(map(type, items)) == {Node} and _ADAPTER not in map(_kind, items)):
             # KV nodes only (the evictor's usual batch: the tree's leaves, thousands of them): C-level passes
             lens = np.fromiter(map(len, map(_key, items)), np.float64, n)
             visits = np.fromiter(map(sum, map(dict.values, map(_hits, items))), np.float64, n) + 1
