@@ -162,13 +162,16 @@ class LoraRadixTree:
         suffix token matched, `last_node` lies in the base subtree and locking it does not pin X:
         lock `adapter_node(...)` too if the request needs it.
         """
+        return self._match(key, touch, [])
+
+    def _match(self, key: MatchKey, touch: bool, out: list[int]) -> MatchResult:
+        """`match`, the matched slot ids appended to `out` (`_NO_VALUES` keeps none: a walk for the last node)."""
         store = self._store
         tokens = _as_tokens(key.token_ids)
         ns_node = store.root.children.get(key.namespace)
         if ns_node is None:
-            return MatchResult(0, [], store.root, None)
+            return MatchResult(0, out, store.root, None)
         now = self.clock() if touch else None
-        out: list[int] = []
         adapter = key.adapter
         end = self._floor(len(tokens))
         if adapter is not None and key.alora_start is None:
@@ -313,7 +316,7 @@ class LoraRadixTree:
         """`prefix_node_ids` with the nodes themselves (id -> node), each once however many keys share it."""
         nodes: dict[int, Node] = {}
         for key in keys:
-            node = self.match(key, touch=False).last_node
+            node = self._match(key, False, _NO_VALUES).last_node  # the path's last node; its slot ids are not needed
             while node.kind is _KV and node.id not in nodes:
                 nodes[node.id] = node
                 node = node.parent
@@ -366,6 +369,21 @@ class LoraRadixTree:
         if touch:
             self._num_matches += 1
         return MatchResult(len(out), out, node, hit_kind)
+
+
+class _NoValues:
+    """An `out` for `_match` that keeps nothing (its length stays 0)."""
+
+    __slots__ = ()
+
+    def extend(self, values) -> None:
+        return None
+
+    def __len__(self) -> int:
+        return 0
+
+
+_NO_VALUES = _NoValues()
 
 
 def _as_tokens(token_ids: Sequence[int]) -> Sequence[int]:
