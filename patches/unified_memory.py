@@ -192,6 +192,7 @@ class LiveMemory:
         self.num_prefill_tokens = 0  # tokens computed by extend passes (what neither tier held)
         self.host = None  # the host tier (`host_kv.LiveHostTier`) with --multilora-host-kv-gb
         self._wanted: set[str] = set()  # adapters the waiting queue names: the swapper evicts them last
+        self._kept_keys: dict[str, tuple] = {}  # rid -> (request, (output tokens, adapter spec), its waiting key)
         self._running_counts: dict[str, int] | None = None  # the last counts set_running gave the residency,
         self._running_version = -1  # and the residency's version right after
         self.swapper.wanted = lambda: self._wanted
@@ -405,8 +406,25 @@ class LiveMemory:
         wanted = {identity(lora_id) for lora_id in {r.lora_id for r in waiting_reqs}}  # each distinct id once
         wanted.discard(None)  # the base model, an unknown id
         self._wanted = wanted
-        head, key = list(islice(waiting_reqs, WANTED_KV_SCAN)), self.waiting_key
-        self.swapper.set_waiting(None if key is None else lambda: filter(None, map(key, head)))
+        head = list(islice(waiting_reqs, WANTED_KV_SCAN))
+        self.swapper.set_waiting(None if self.waiting_key is None else lambda: self._waiting_keys(head))
+
+    def _waiting_keys(self, head) -> list[MatchKey]:
+        """`waiting_key` of each request of `head` that has one. A request's key is kept from the last call while it
+        is the same request with as many output tokens (a retraction adds some) on the same adapter spec; the keys
+        kept are those of this call's requests only."""
+        spec, key_of, kept = process_state().adapters.spec, self.waiting_key, self._kept_keys
+        keys, now_kept = [], {}
+        for req in head:
+            stamp = (len(req.output_ids), None if req.lora_id is None else spec(req.lora_id))
+            entry = kept.get(req.rid)
+            if entry is None or entry[0] is not req or entry[1][0] != stamp[0] or entry[1][1] is not stamp[1]:
+                entry = (req, stamp, key_of(req))
+            now_kept[req.rid] = entry
+            if entry[2] is not None:
+                keys.append(entry[2])
+        self._kept_keys = now_kept
+        return keys
 
     def record_request(self, identity: str | None) -> None:
         self.usage.record_request(identity, self.swapper.tree.clock())
