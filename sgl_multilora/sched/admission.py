@@ -151,9 +151,18 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
     blocker: SchedRequest | None = None
     t_wait = 0.0
     passed = 0
+    slots = ctx.slots
+    # rule 5 without a call per request passed over: while no new slot is open but the reserved one, a request
+    # whose adapter is not in the batch is passed over here (what `has_slot` would answer); updated at each take
+    in_batch = slots.in_batch if slots is not None else ()
+    closed, reserved = (slots.closed_to_new(), slots.reserved) if slots is not None else (False, None)
     for r in queue:
-        if not ctx.has_slot(r):
-            continue  # rule 5: checked first, and no lookahead is spent on it
+        if slots is not None and r.adapter not in in_batch:
+            if closed and r.rid != reserved:
+                ctx.slot_skips += 1
+                continue
+            if not ctx.has_slot(r):
+                continue  # rule 5: checked first, and no lookahead is spent on it
         cost = r.cost_tokens
         oversize = lenders is None and view.idle and not out.admitted and cost > view.quota
         if cost > cap and not oversize:
@@ -179,6 +188,8 @@ def scan_queue(queue: Iterator[SchedRequest], view: QueueView, ctx: BatchContext
             out.stop = Stop("bypass", r.rid, cost, 0)
             break
         ctx.take_slot(r)
+        if slots is not None:
+            closed, reserved = slots.closed_to_new(), slots.reserved
         from_own = cost if lenders is None else min(cost, max(0, own))
         r.charges = ([(view.index, from_own)] if from_own else []) + borrow(cost - from_own,
                                                                            lenders)

@@ -40,6 +40,11 @@ class AdapterSlots:
         held = self.reserved is not None and self.reserved != r.rid
         return self.cap - len(self.in_batch) - held > 0
 
+    def closed_to_new(self) -> bool:
+        """Whether no request but the reserved one can have a new slot now: `has_slot(r)` is then True only for r
+        whose adapter is in the batch, or r the reserved request. Changes only through `take`."""
+        return self.cap - len(self.in_batch) - (self.reserved is not None) <= 0
+
     def take(self, r: SchedRequest) -> None:
         self.in_batch.add(r.adapter)
         if r.rid == self.reserved:
