@@ -9,11 +9,12 @@ absolute path, so the schedulers open exactly what was checked. The scheduler si
 from __future__ import annotations
 
 from sgl_multilora.adapters import AdapterError, resolve_under_root
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, on_demand
 
 
 async def load_lora_adapter(original, self, obj, *args, **kwargs):
-    """AROUND hook on `TokenizerManager.load_lora_adapter(obj)`."""
+    """AROUND hook on `TokenizerManager.load_lora_adapter(obj)`. After a load, the host tier's budget
+    (`--multilora-host-adapter-gb`, `on_demand.py`) drops what no longer fits, whoever asked for the load."""
     root = flags.current().adapter_root
     if root is not None:
         from sglang.srt.managers.io_struct import LoadLoRAAdapterReqOutput
@@ -22,4 +23,8 @@ async def load_lora_adapter(original, self, obj, *args, **kwargs):
             obj.lora_path = str(resolve_under_root(obj.lora_path or "", root, obj.lora_name or "?"))
         except AdapterError as e:
             return LoadLoRAAdapterReqOutput(success=False, error_message=str(e))
-    return await original(self, obj, *args, **kwargs)
+    result = await original(self, obj, *args, **kwargs)
+    od = on_demand.state(self) if result.success else None
+    if od is not None:
+        await od.fit_host_budget(self, keep={obj.lora_name})
+    return result

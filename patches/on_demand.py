@@ -8,7 +8,8 @@ SGLang's own `load_lora_adapter`, so the request waits for its adapter while eve
 requests for one adapter that arrive together share one load; a failed load is not remembered (the next request
 tries again). A name no source holds, or one with path syntax, gets HTTP 400 naming it, as does an adapter larger than
 the whole host budget. Host tier: with
-`--multilora-host-adapter-gb`, after each load the least recently used host copies not in use and not pinned are
+`--multilora-host-adapter-gb`, after each load (on demand or through `/load_lora_adapter`: the load hook of
+`adapter_paths.py` asks `fit_host_budget`) the least recently used host copies not in use and not pinned are
 unloaded until the rest fit (a source adapter comes back from its source on its next request, read again: changed
 files are a new identity). Without sources, unknown names are refused with a message that, unlike SGLang's, does not
 list every other adapter's name.
@@ -109,7 +110,8 @@ class OnDemand:
         self._from_source.add(name)
         logger.info("sgl_multilora: loaded adapter %s on demand from %s (resolve %.3f s, read %.3f s, load %.3f s)",
                     name, found.source, t1 - t0, t2 - t1, t3 - t2)
-        await self.fit_host_budget(tm, keep={name})
+        # the host budget was fitted by the load hook (adapter_paths.py), before this adapter counted as from a
+        # source: it is kept now as it was then (the name is in flight)
 
     # ---- the host tier ----------------------------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ def test_cache_attacks_read_no_cached_kv(server, tokenizer):
 
 
 MALFORMED = [
-    ({"text": "Hello", "lora_path": "never-loaded"}, "has never been loaded"),
+    ({"text": "Hello", "lora_path": "never-loaded"}, "LoRA adapter 'never-loaded' is not loaded"),
     ({"text": "Hello", "lora_id": "0" * 32}, "'lora_id' is assigned by the server"),
     ({"text": ["a", "b"], "lora_id": [None, "1" * 32]}, "'lora_id' is assigned by the server"),
     ({"text": "Hello", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),

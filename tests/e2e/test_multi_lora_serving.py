@@ -183,7 +183,12 @@ def test_load_and_unload_adapter_at_runtime(server, manifest, tokenizer, oracle)
     response = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "runtime_copy"}, timeout=120)
     assert response.status_code == 200, response.text
     assert "runtime_copy" not in response.json().get("loaded_adapters", {}), response.text
-    # SGLang re-loads an unloaded adapter it has seen before when a request names it again; its output is unchanged.
+    # an unload is final: SGLang 0.5.23 would quietly reload it from its old path; here the name is refused, without
+    # listing the other adapters, until it is loaded again
+    response = requests.post(server.url + "/generate", json={"input_ids": ids, "lora_path": "runtime_copy"}, timeout=120)
+    assert response.status_code == 400 and "LoRA adapter 'runtime_copy' is not loaded" in response.text, response.text
+    assert not any(e["name"] in response.text for e in manifest), response.text
+    assert _load(server, "runtime_copy", entry["path"]).status_code == 200
     assert_matches(generate(server, ids, "runtime_copy"), expected, "re-loaded adapter")
 
 
