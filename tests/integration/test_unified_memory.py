@@ -352,7 +352,7 @@ def test_kv_waiting_requests_would_reuse_is_evicted_last(world):
         runs[tokens[0]] = values
     allocator.alloc(allocator.available_size())  # running KV takes every free slot
     memory.set_running([SimpleNamespace(lora_id="a")])
-    queued = SimpleNamespace(lora_id="a", tokens=[1, 2, 3, 9])  # the next turn of the older run
+    queued = SimpleNamespace(rid="q", lora_id="a", tokens=[1, 2, 3, 9], output_ids=[])  # the older run's next turn
     memory.waiting_key = lambda r: MatchKey(NS, AdapterRef(ident, "a"), r.tokens)
     memory.set_wanted([queued])
     clock[0] = 3.0
