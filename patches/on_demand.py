@@ -198,7 +198,10 @@ async def resolve_lora_path(original, self, obj, *args, **kwargs):
         od.wanted.update(names)  # the host tier keeps them until SGLang's acquire counts them as in use
     try:
         if names:
-            missing = await self.lora_registry.get_unregistered_loras(names)
+            # SGLang's name -> ref map, read without its lock (no await until the names are checked): a request
+            # whose adapters are all registered pays no second lock round here; the original call below takes it
+            registry = self.lora_registry._registry
+            missing = [name for name in names if name not in registry]
             if od is not None:
                 od.stats.host_hits += len(names) - len(missing)
             for name in sorted(missing):
