@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from sgl_multilora.adapter_sources import AdapterSources, choose_drops
-from sgl_multilora.adapters import AdapterError, read_spec, weights_file
+from sgl_multilora.adapters import AdapterError, read_config, weights_file
 from sgl_multilora.patches import flags
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 class TierStats:
     """Counters of the source and host tiers, read by `/multilora/stats`."""
 
-    resolved: int = 0
     refused: int = 0
     loads: int = 0
     failed_loads: int = 0
@@ -81,9 +80,9 @@ class OnDemand:
         try:
             found = await asyncio.to_thread(self.sources.resolve, name)
             t1 = time.perf_counter()
-            # the checks of any load, and the file read once here (off the event loop), so a malformed adapter is
-            # refused before the scheduler is asked and the scheduler reads from the page cache
-            await asyncio.to_thread(read_spec, found.path, name, flags.current().max_adapter_bytes)
+            # the config and size checks of any load (off the event loop), so a bad adapter is refused before the
+            # scheduler is asked; the weights are read and hashed once, by the scheduler's load
+            await asyncio.to_thread(read_config, found.path, name, flags.current().max_adapter_bytes)
             file = weights_file(found.path)
             size = file.stat().st_size if file is not None else 0
             if self.host_budget is not None and size > self.host_budget:
@@ -99,7 +98,6 @@ class OnDemand:
             self.stats.failed_loads += 1
             raise AdapterError(f"LoRA adapter '{name}' could not be loaded: {result.error_message}")
         stats = self.stats
-        stats.resolved += 1
         stats.loads += 1
         stats.resolve_s += t1 - t0
         stats.read_s += t2 - t1
@@ -162,7 +160,7 @@ class OnDemand:
         s = self.stats
         return {
             "sources": self.sources.describe(),
-            "source": {"resolved": s.resolved, "refused": s.refused, "loads": s.loads, "failed_loads": s.failed_loads,
+            "source": {"refused": s.refused, "loads": s.loads, "failed_loads": s.failed_loads,
                        "resolve_s": round(s.resolve_s, 6), "read_s": round(s.read_s, 6),
                        "load_s": round(s.load_s, 6), "last_load": s.last_load},
             "host": {"adapters": len(order), "resident": order, "bytes": sum(sizes.values()),

@@ -70,7 +70,7 @@ def test_a_server_without_the_tree_or_the_pool_reports_what_it_has():
 
 
 def test_the_adapter_tiers_are_samples_of_their_own():
-    tiers = {"sources": ["/src"], "source": {"resolved": 3, "refused": 2, "loads": 3, "failed_loads": 1,
+    tiers = {"sources": ["/src"], "source": {"refused": 2, "loads": 3, "failed_loads": 1,
                                              "resolve_s": 0.01, "read_s": 0.02, "load_s": 0.5, "last_load": {}},
              "host": {"adapters": 2, "resident": ["a", "b"], "bytes": 4096, "budget_bytes": 10_000, "hits": 7,
                       "drops": 1, "loads_in_flight": 0}}
