@@ -9,14 +9,14 @@ absolute path, so the schedulers open exactly what was checked. The scheduler si
 from __future__ import annotations
 
 from sgl_multilora.adapters import AdapterError, resolve_under_root
-from sgl_multilora.patches import flags, on_demand
+from sgl_multilora.patches import flags, lora_remote, on_demand
 
 
 async def load_lora_adapter(original, self, obj, *args, **kwargs):
     """AROUND hook on `TokenizerManager.load_lora_adapter(obj)`. After a load, the host tier's budget
     (`--multilora-host-adapter-gb`, `on_demand.py`) drops what no longer fits, whoever asked for the load."""
     root = flags.current().adapter_root
-    if root is not None:
+    if root is not None and not (lora_remote.address() and lora_remote.is_remote(obj.lora_path)):
         from sglang.srt.managers.io_struct import LoadLoRAAdapterReqOutput
 
         try:

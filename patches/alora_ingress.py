@@ -7,6 +7,7 @@ gets HTTP 400 naming the adapter and the missing sequence. Runs in the HTTP (tok
 from __future__ import annotations
 
 from sgl_multilora.adapters import find_invocation_start
+from sgl_multilora.patches import lora_remote
 from sgl_multilora.patches.state import process_state
 
 
@@ -18,7 +19,10 @@ def validate_one_request(result, self, obj, input_ids, *args, **kwargs):
     ref = getattr(self, "lora_ref_cache", {}).get(name)
     if ref is None:
         return result
-    invocation = process_state().adapters.invocation_tokens(ref.lora_path)
+    if lora_remote.is_remote(ref.lora_path):
+        invocation = lora_remote.invocation_tokens(ref.lora_path)
+    else:
+        invocation = process_state().adapters.invocation_tokens(ref.lora_path)
     if invocation is not None and find_invocation_start(list(input_ids), invocation) is None:
         text = self.tokenizer.decode(list(invocation)) if getattr(self, "tokenizer", None) is not None else ""
         raise ValueError(

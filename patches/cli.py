@@ -10,6 +10,8 @@ from sgl_multilora.patches import flags
 
 logger = logging.getLogger(__name__)
 
+REMOTE_MAX_LORA_RANK = 256  # --max-lora-rank of a worker of a LoRA server when not given
+
 
 def add_cli_args(original, parser):
     original(parser)
@@ -29,6 +31,14 @@ def from_cli_args(original, cls, args):
         args.enable_lora = True
     if ours.adapter_source:
         args.enable_lora = True
+    if ours.lora_server:
+        # The worker holds no adapter weights: rank and targets bound nothing here (the LoRA server checks each
+        # adapter against the model), so SGLang's up-front LoRA limits default to the widest.
+        args.enable_lora = True
+        if getattr(args, "max_lora_rank", None) is None:
+            args.max_lora_rank = REMOTE_MAX_LORA_RANK
+        if not getattr(args, "lora_target_modules", None):
+            args.lora_target_modules = ["all"]
     ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
                                and not getattr(args, "disable_radix_cache", False))
     if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):

@@ -52,6 +52,13 @@ def _adapter_source(value: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _zmq_address(value: str) -> str:
+    if not (value.startswith("ipc://") and len(value) > 6) and not (
+            value.startswith("tcp://") and value.rpartition(":")[2].isdigit()):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a ZMQ address (ipc://PATH or tcp://HOST:PORT)")
+    return value
+
+
 def _number(cast, ok, what: str):
     """A parser of one number: `cast` it, then `ok(number)` or an argparse error saying it is not `what`."""
     def parse(value: str):
@@ -111,6 +118,11 @@ class MultiLoRAArgs:
         "0: no limit): after each load, the least recently used adapters not in use and not pinned are unloaded "
         "until the rest fit; one from a source is read again on its next request.", parse=_non_negative_float,
         metavar="GB")
+    lora_server: str | None = _flag(
+        "--multilora-lora-server", None, "Compute every LoRA delta on the LoRA server at ADDR (python -m "
+        "sgl_multilora.lora_server): this server holds no adapter weights, serves every adapter the LoRA server "
+        "holds by name (ranks and targets learnt from it) and sends each layer's LoRA-targeted activations there, "
+        "overlapping the round trip with its base GEMM.", parse=_zmq_address, metavar="ADDR")
     max_adapter_mb: int = _flag(
         "--multilora-max-adapter-mb", 4096, "Largest adapter weight file (adapter_model.safetensors or .bin) the "
         "server loads, in MiB; a larger one gets HTTP 400 naming both sizes.", parse=_positive_int, metavar="MB")

@@ -146,6 +146,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _hook("sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", "after",
           "admission:add_request_to_queue", ("self", "req"),
           "arrivals: the eviction policy's visit counts; the multi-queue scheduler's queues"),
+    _hook("sglang.srt.managers.scheduler.Scheduler.run_batch", "after", "lora_remote:after_run_batch",
+          ("self", "batch"), "--multilora-lora-server: a forward whose LoRA server call failed ends its adapter "
+          "requests with HTTP 503 and keeps their KV out of the cache"),
     _hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "after",
           "admission:process_batch_result", ("self", "batch", "result"),
           "step statistics, finished requests; memory and scheduler invariants in test mode"),

@@ -24,11 +24,12 @@ class LoRAStep:
     """The current step's layout and the adapters its slots serve. Prepared by the manager hook,
     read by the layers."""
 
-    __slots__ = ("adapters", "meta")
+    __slots__ = ("adapters", "meta", "remote")
 
     def __init__(self):
         self.meta: SegmentMeta | None = None  # made on the first step, then refilled (or grown)
         self.adapters: Mapping[str, LoadedAdapter] = {}
+        self.remote = None  # a `lora_remote.RemoteStep` where a LoRA server computes the deltas
 
     def prepare(
         self,
@@ -74,17 +75,23 @@ class MultiLoRALinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         step = self.step
         meta = None if step is None else step.meta
         if meta is None or not meta.keys:  # no adapter token in this step
-            return out
+            return self.base(x)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] != meta.num_tokens:
             raise RuntimeError(
                 f"LoRA layout is for {meta.num_tokens} tokens but layer {self.layer_id} "
                 f"{self.module_name} got {x2.shape[0]}"
             )
+        if step.remote is not None:  # sent before the base GEMM, so that the round trip overlaps it
+            call = step.remote.submit(self.layer_id, self.module_name, x2)
+            out = self.base(x)
+            if call is not None:
+                step.remote.add_into(call, self.module_name, out.view(-1, self.out_features))
+            return out
+        out = self.base(x)
         table = self._table(step)
         if table is not None:
             out2 = out.view(-1, self.out_features)  # in place: `out` is the contiguous base output

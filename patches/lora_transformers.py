@@ -28,7 +28,7 @@ from sgl_multilora.adapters import (
     read_spec,
     resolve_under_root,
 )
-from sgl_multilora.patches import flags, host_memory, lora_pool_layers
+from sgl_multilora.patches import flags, host_memory, lora_pool_layers, lora_remote
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.pool import ExceedsPoolError
@@ -50,11 +50,16 @@ class TransformersLoRA:
         self.registry = process_state().adapters
         self.adapters = self.registry.loaded_view()  # lora_id -> weights
         self.step = LoRAStep()
+        if lora_remote.address() is not None:  # a LoRA server computes every delta; no weights here
+            self.step.remote = lora_remote.RemoteStep(shape)
         for layer in layers:
             layer.step = self.step
 
     def load(self, lora_ref) -> None:
         """Validates and loads `lora_ref`'s adapter; raises AdapterError naming the problem."""
+        if lora_remote.is_remote(lora_ref.lora_path) and self.step.remote is not None:
+            self.registry.stage(lora_ref.lora_id, lora_remote.load_remote(lora_ref.lora_name, self.shape)[0])
+            return
         adapter = load_adapter(lora_ref.lora_path, self.shape, name=lora_ref.lora_name,
                                max_weights_bytes=flags.current().max_adapter_bytes)
         dtype = self.layers[0].base_dtype if self.layers else torch.float32
@@ -75,8 +80,11 @@ class TransformersLoRA:
             if uid is not None and key is None:
                 raise RuntimeError(f"LoRA adapter id {uid} is in the batch but not loaded")
         starts = self._lora_starts(forward_batch, keys)
-        self.step.prepare(keys, new_token_lens, starts, self._step_weights(keys),
+        remote = self.step.remote
+        self.step.prepare(keys, new_token_lens, starts, self.adapters if remote else self._step_weights(keys),
                           num_slots=self.manager.max_loras_per_batch, device=self.manager.device)
+        if remote is not None:
+            remote.prepare(self.step.meta, [self.adapters[k].spec for k in self.step.meta.keys])
 
     def _step_weights(self, keys: list[str | None]):
         """id -> the weights the step computes with: with the unified pool, views of the adapters' slots (each
@@ -189,6 +197,9 @@ def _checked_ref(lora_ref):
 
 
 def load_lora_adapter(original, self, lora_ref):
+    state = _state(self)
+    if lora_remote.is_remote(lora_ref.lora_path) and state is not None and state.step.remote is not None:
+        return lora_remote.manager_load(self, lora_ref, state.shape, process_state().adapters)
     try:
         lora_ref = _checked_ref(lora_ref)
         spec = read_spec(lora_ref.lora_path, lora_ref.lora_name, flags.current().max_adapter_bytes)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from sgl_multilora.adapter_sources import AdapterSources, choose_drops
 from sgl_multilora.adapters import AdapterError, read_config, weights_file
-from sgl_multilora.patches import flags
+from sgl_multilora.patches import flags, lora_remote
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +78,17 @@ class OnDemand:
 
         t0 = time.perf_counter()
         try:
-            found = await asyncio.to_thread(self.sources.resolve, name)
-            t1 = time.perf_counter()
-            # the config and size checks of any load (off the event loop), so a bad adapter is refused before the
-            # scheduler is asked; the weights are read and hashed once, by the scheduler's load
-            await asyncio.to_thread(read_config, found.path, name, flags.current().max_adapter_bytes)
-            file = weights_file(found.path)
-            size = file.stat().st_size if file is not None else 0
-            if self.host_budget is not None and size > self.host_budget:
-                raise AdapterError(f"LoRA adapter '{name}': {file.name} is {size / 1e9:.3f} GB, above the host "
-                                   f"adapter budget of {self.host_budget / 1e9:.3f} GB (--multilora-host-adapter-gb)")
+            if lora_remote.address() is not None:  # the LoRA server's catalog: nothing to read here
+                await asyncio.to_thread(lora_remote.catalog_entry, name)
+                path, source, size = lora_remote.remote_path(name), lora_remote.address(), 0
+                t1 = time.perf_counter()
+            else:
+                path, source, size, t1 = await self._check_source(name)
         except AdapterError:
             self.stats.refused += 1
             raise
         t2 = time.perf_counter()
-        result = await tm.load_lora_adapter(LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(found.path)))
+        result = await tm.load_lora_adapter(LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
         t3 = time.perf_counter()
         if not result.success and "already loaded" not in (result.error_message or ""):
             self.stats.failed_loads += 1
@@ -102,14 +98,28 @@ class OnDemand:
         stats.resolve_s += t1 - t0
         stats.read_s += t2 - t1
         stats.load_s += t3 - t2
-        stats.last_load = {"adapter": name, "source": found.source, "resolve_s": round(t1 - t0, 6),
+        stats.last_load = {"adapter": name, "source": source, "resolve_s": round(t1 - t0, 6),
                            "read_s": round(t2 - t1, 6), "load_s": round(t3 - t2, 6)}
         self._sizes[name] = size
         self._from_source.add(name)
         logger.info("sgl_multilora: loaded adapter %s on demand from %s (resolve %.3f s, read %.3f s, load %.3f s)",
-                    name, found.source, t1 - t0, t2 - t1, t3 - t2)
+                    name, source, t1 - t0, t2 - t1, t3 - t2)
         # the host budget was fitted by the load hook (adapter_paths.py), before this adapter counted as from a
         # source: it is kept now as it was then (the name is in flight)
+
+    async def _check_source(self, name: str) -> tuple[str, str, int, float]:
+        """(path, source, weight file bytes, when it was resolved) of `name` in the sources, after the config and size checks of any
+        load (off the event loop), so a bad adapter is refused before the scheduler is asked; the weights are read
+        and hashed once, by the scheduler's load. Raises AdapterError."""
+        found = await asyncio.to_thread(self.sources.resolve, name)
+        resolved = time.perf_counter()
+        await asyncio.to_thread(read_config, found.path, name, flags.current().max_adapter_bytes)
+        file = weights_file(found.path)
+        size = file.stat().st_size if file is not None else 0
+        if self.host_budget is not None and size > self.host_budget:
+            raise AdapterError(f"LoRA adapter '{name}': {file.name} is {size / 1e9:.3f} GB, above the host "
+                               f"adapter budget of {self.host_budget / 1e9:.3f} GB (--multilora-host-adapter-gb)")
+        return str(found.path), found.source, size, resolved
 
     # ---- the host tier ----------------------------------------------------------------------------------------
 
@@ -175,7 +185,7 @@ def state(tm) -> OnDemand | None:
     od = getattr(tm, "_multilora_on_demand", None)
     if od is None:
         args = flags.current()
-        if not args.adapter_source and not args.host_adapter_gb:
+        if not args.adapter_source and not args.host_adapter_gb and not args.lora_server:
             return None
         od = OnDemand(AdapterSources(args.adapter_source, args.adapter_root),
                       int(args.host_adapter_gb * 1e9) if args.host_adapter_gb else None)
@@ -205,7 +215,7 @@ async def resolve_lora_path(original, self, obj, *args, **kwargs):
             for name in sorted(missing):
                 if name in self.lora_ref_cache and (od is None or name not in od._from_source):
                     continue  # SGLang reloads what was loaded by path and dropped (--max-loaded-loras, the host tier)
-                if od is None or not od.sources:
+                if od is None or not (od.sources or lora_remote.address()):
                     raise AdapterError(f"LoRA adapter '{name}' is not loaded (load it with /load_lora_adapter, or "
                                        "start the server with --multilora-adapter-source)")
                 await od.ensure(self, name)
