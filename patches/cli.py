@@ -41,6 +41,10 @@ def from_cli_args(original, cls, args):
             args.lora_target_modules = ["all"]
     ours = dataclasses.replace(ours, radix_backend=getattr(args, "radix_cache_backend", None) == "multilora"
                                and not getattr(args, "disable_radix_cache", False))
+    if ours.lora_server and ours.memory == "unified":
+        # The unified pool shares memory between adapter weights and KV; a worker of a LoRA server holds no adapter
+        # weights, so its KV keeps SGLang's own pool (the tree, its keys and aLoRA reuse work as ever).
+        ours = dataclasses.replace(ours, memory="separate")
     if ours.host_kv_gb and not (ours.radix_backend and ours.memory == "unified"):
         raise ValueError("--multilora-host-kv-gb needs --radix-cache-backend multilora and the unified pool (not "
                          "--multilora-stock-baseline memory): the host tier holds what the unified pool evicts")

@@ -223,6 +223,13 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "after",
           "debug_checks:process_batch_result", ("self", "batch", "result"),
           "--multilora-check-invariants (test mode): the tree's invariants after every step"),
+    # ---- MoE on a CPU ---------------------------------------------------------------------------------------------
+    TouchPoint("sglang.srt.models.transformers.MoEMixin.recursive_replace", Kind.HOOK,
+               "patches.moe_cpu:recursive_replace", ("self",),
+               "on a CPU keep HF's MoE blocks (router, fused experts): SGLang's FusedMoE and its meta-parameter "
+               "materialisation need a GPU", Process.SCHEDULER, "around",
+               also=("sglang.srt.models.transformers.TransformersBase.recursive_replace",
+                     "sglang.srt.runtime_context.get_server_args")),
     # ---- CPU attention ------------------------------------------------------------------------------------------
     _hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
           "around", "cpu_extend_attention:run_sdpa_forward_extend",

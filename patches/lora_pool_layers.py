@@ -15,7 +15,9 @@ Host copies: once SGLang has loaded and normalised an adapter (fused per module 
 this tensor-parallel rank), that form becomes the registry's host copy and SGLang's own tensors are freed
 (`host_memory.py`), so each adapter is held once on the host. The pool sizes and places it like any adapter
 (`slot_layout.py`).
-Refused with a clear error at start-up: MoE LoRA and embedding / lm_head LoRA (the backend refuses the latter),
+Refused with a clear error at start-up: MoE LoRA in SGLang's layers (its fused-MoE LoRA buffers; on the
+`--model-impl transformers` CPU path our `MultiLoRAExperts` computes expert LoRA instead, and the pool holds each
+expert's A / B like any projection's), embedding / lm_head LoRA (the backend refuses it),
 a KV pool the unified allocator cannot take over, a KV dtype other than the LoRA weights' dtype.
 """
 
@@ -46,8 +48,9 @@ def allocate_placeholders(pool, base_model) -> None:
     pool.base_model = base_model
     pool._num_experts_local = pool._get_num_local_experts(base_model)
     if pool._has_moe_module(base_model):
-        raise RuntimeError("sgl_multilora: the unified pool does not hold MoE LoRA weights; pass "
-                           "--multilora-stock-baseline memory (SGLang's slot buffers) for this model")
+        raise RuntimeError("sgl_multilora: the unified pool does not hold the MoE LoRA weights of SGLang's own "
+                           "LoRA layers (its fused-MoE LoRA buffers); pass --multilora-stock-baseline memory "
+                           "(SGLang's slot buffers) for this model")
     device = next(base_model.parameters()).device
     for module in sorted(pool.target_modules):
         for buffers, shape_of in ((pool.A_buffer, pool.get_lora_A_shape), (pool.B_buffer, pool.get_lora_B_shape)):

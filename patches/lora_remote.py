@@ -31,7 +31,14 @@ import torch
 
 from http import HTTPStatus
 
-from sgl_multilora.adapters import AdapterError, AdapterSpec, LoadedAdapter, ModelShape, check_against_model
+from sgl_multilora.adapters import (
+    EXPERT_MODULES,
+    AdapterError,
+    AdapterSpec,
+    LoadedAdapter,
+    ModelShape,
+    check_against_model,
+)
 from sgl_multilora.patches import flags
 
 REMOTE_SCHEME = "lora-server://"
@@ -90,8 +97,10 @@ def spec_from_catalog(name: str, info: dict) -> AdapterSpec:
 
 def sglang_config(spec: AdapterSpec) -> dict:
     """The PEFT config SGLang's LoRA manager keeps for a remote adapter (its targets, rank and alpha; no weights)."""
-    config = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.target_modules),
-              "peft_type": "LORA"}
+    experts = [m for m in spec.target_modules if m in EXPERT_MODULES]  # PEFT's `target_parameters`, as on disk
+    config = {"r": spec.rank, "lora_alpha": spec.alpha, "peft_type": "LORA",
+              "target_modules": [m for m in spec.target_modules if m not in EXPERT_MODULES],
+              "target_parameters": [f"mlp.{m}" for m in experts]}
     if spec.alora_invocation_tokens:
         config["alora_invocation_tokens"] = list(spec.alora_invocation_tokens)
     return config
@@ -142,7 +151,8 @@ def load_remote(name: str, shape: ModelShape) -> tuple[LoadedAdapter, dict]:
 
 def manager_load(manager, lora_ref, shape: ModelShape, registry):
     """`LoRAManager.load_lora_adapter` for a `lora-server://NAME` ref: the spec staged and added to `registry`,
-    SGLang's bookkeeping made from the config alone (no tensors). Returns SGLang's LoRAUpdateOutput."""
+    SGLang's bookkeeping made from the config alone (no tensors). (No unified pool on such a worker: `cli.py`.)
+    Returns SGLang's LoRAUpdateOutput."""
     try:
         loaded, config = load_remote(lora_ref.lora_name, shape)
     except (AdapterError, LoRAServerUnavailableError) as e:
@@ -251,6 +261,121 @@ class RemoteStep:
                 return
             start += width
         raise RuntimeError(f"module {module} is not in the LoRA server call's group {call.modules}")
+
+
+class RemoteAdmission:
+    """InfiniLoRA's admission rule against the LoRA server's cache (§2.2), in one scheduler process: a request with an
+    adapter goes in when the LoRA server holds its adapter, or when fewer adapters than the server's slots are in use
+    by running requests (over every worker: each declares its own with `residency(active=...)`); otherwise it waits,
+    and the queue goes on to the next request. An admitted adapter not yet resident is prefetched out of band, so it
+    loads while the batch is being formed. The server's view is asked at most once per VIEW_TTL_S; adapters
+    admitted since count as in use."""
+
+    VIEW_TTL_S = 0.02
+
+    def __init__(self) -> None:
+        self._view: dict | None = None
+        self._asked = 0.0
+        self._claimed: set[str] = set()
+        self._prefetched: set[str] = set()
+        self.waits = 0  # requests kept waiting for a slot
+
+    def _refresh(self, running_names: set[str]) -> dict | None:
+        import time
+
+        now = time.monotonic()
+        if self._view is None or now - self._asked > self.VIEW_TTL_S:
+            from sgl_multilora.lora_server.client import LoRAServerError, LoRAServerUnavailable
+
+            try:
+                self._view = client().residency(active=sorted(running_names))
+            except (LoRAServerUnavailable, LoRAServerError):
+                self._view = None  # unknown: admit, and let the forward's call fail with HTTP 503 if it is down
+            self._asked, self._claimed, self._prefetched = now, set(), set()
+        return self._view
+
+    def admits(self, name: str, running_names: set[str]) -> bool:
+        view = self._refresh(running_names)
+        if view is None:
+            return True
+        resident, in_use = set(view["resident"]), set(view["in_use"]) | running_names | self._claimed
+        if name in in_use or name in resident:
+            self._claimed.add(name)
+            return True
+        if len(in_use) < int(view["max_slots"]):
+            self._claimed.add(name)
+            if name not in self._prefetched:
+                self._prefetched.add(name)
+                try:
+                    client().prefetch([name])
+                except Exception:  # a hint only: the first delta call loads it anyway
+                    pass
+            return True
+        self.waits += 1
+        return False
+
+
+_admission: RemoteAdmission | None = None
+
+
+def admission() -> RemoteAdmission | None:
+    """This scheduler's admission against the LoRA server; None without `--multilora-lora-server`."""
+    global _admission
+    if address() is None:
+        return None
+    if _admission is None:
+        _admission = RemoteAdmission()
+    return _admission
+
+
+class RemoteExpertDeltas:
+    """The experts' LoRA deltas computed by the LoRA server (an `lora_experts.ExpertDeltaSource`): one call per MoE
+    sub-layer and step (`experts.gate_up`, `experts.down`), InfiniLoRA's two round trips per MoE layer, carrying only
+    the routed rows an adapter applies to, each tagged with its adapter and expert. Failures mark the step as
+    `RemoteStep.add_into` does."""
+
+    CALLS = {"gate_up": ("experts.gate_up", "experts.gate_up_proj"), "down": ("experts.down", "experts.down_proj")}
+
+    def __init__(self, remote: RemoteStep) -> None:
+        self.remote = remote
+
+    def submit(self, layer_id, call, expert_ids, slot_ids, x):
+        rs = self.remote
+        group, module = self.CALLS[call]
+        if rs.rows is None or module not in rs.targeted or rs.failed is not None:
+            return None
+        active = torch.nonzero(slot_ids >= 0).flatten()
+        if not active.numel():
+            return None
+        try:
+            pending = client().submit_delta(layer_id, group, x.index_select(0, active),
+                                            slot_ids.index_select(0, active).to(torch.int32), rs.names,
+                                            expert_ids=expert_ids.index_select(0, active).to(torch.int32),
+                                            identities=rs.identities)
+        except ConnectionError as e:  # LoRAServerUnavailable
+            rs.failed = str(e)
+            return None
+        return active, pending, x.shape[0], x.dtype
+
+    def result(self, handle):
+        from sgl_multilora.lora_server.client import LoRAServerError, LoRAServerUnavailable
+
+        if handle is None or self.remote.failed is not None:
+            return None
+        active, pending, num_rows, dtype = handle
+        try:
+            delta = pending.result()
+        except (LoRAServerUnavailable, LoRAServerError) as e:
+            self.remote.failed = str(e)
+            return None
+        out = torch.zeros(num_rows, delta.shape[1], dtype=dtype)
+        out.index_copy_(0, active, delta.to(dtype))
+        return out
+
+
+def expert_source(step):
+    """The experts' delta source where a LoRA server computes them (`step.remote` set), else None."""
+    return None if step.remote is None else RemoteExpertDeltas(step.remote)
 
 
 def after_run_batch(result, self, batch, *args, **kwargs):

@@ -29,6 +29,7 @@ from sgl_multilora.adapters import (
     resolve_under_root,
 )
 from sgl_multilora.patches import flags, host_memory, lora_pool_layers, lora_remote
+from sgl_multilora.patches import lora_experts
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
 from sgl_multilora.pool import ExceedsPoolError
@@ -166,10 +167,12 @@ def init_lora_modules(original, self):
     self.lm_head_module = None
     shape, layers = _wrap_projections(self.base_model)
     shape = ModelShape(shape.num_layers, shape.modules, max_rank=self.max_lora_rank)
+    shape, experts = lora_experts.wrap_experts(self.base_model, shape)  # MoE expert LoRA (HF's experts module)
     if process_state().lora is not None:
         raise RuntimeError("sgl_multilora: a second LoRA manager in one process is not supported on the "
                            "--model-impl transformers path")
     state = TransformersLoRA(self, shape, layers)
+    lora_experts.attach(experts, state.step, lora_remote.expert_source(state.step))
     process_state().lora = state
     logger.info(
         "sgl_multilora: LoRA on the transformers model path: %d projections wrapped (%s)",

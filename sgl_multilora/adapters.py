@@ -6,6 +6,19 @@ Not here: where the weights sit at serving time (the pool) or how they are appli
 Identity. An adapter is known by `identity`, a SHA-256 over its canonical config and its weight bytes, never by the
 name a user gave it: loading changed weights under an old name yields a new identity, so KV cached for the old
 weights can never be hit again.
+
+MoE expert LoRA. PEFT's `target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]` on a model with
+fused experts (transformers 5: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], each expert's matrix laid out
+(out, in)) wraps each parameter in a `ParamWrapper` whose lora_A is (r E, in) and lora_B (out, r E), and computes
+the delta weight of expert e as `scaling * B_e @ A_e` with (PEFT's einsum "o r e, e r i -> e o i", in/out swapped
+because the parameter is not `is_transposed`)
+    A_e = lora_A.view(E, r, in)[e]        rows e*r .. e*r+r-1           (expert-major)
+    B_e = lora_B.view(out, r, E)[:, :, e] columns e, E+e, 2E+e, ...     (expert-minor)
+`load_adapter` splits them so: the adapter's weights hold one 2-D unit per (layer, expert module, expert) under
+the module name `expert_unit(module, e)` ("experts.gate_up_proj.3"), A_e (r, in) and B_e (out, r), like any
+projection's. PEFT nests one wrapper per parameter and the nesting order follows the order the user listed them
+in, which the saved config does not keep: a pair of tensors is told apart by its shapes (never ambiguous: that
+would need H == I and 2I == H). Experts stored transposed ([E, in, out], `is_transposed`) are not supported.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +47,26 @@ _WEIGHT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB]
 _OUTSIDE_LAYERS = frozenset({"embed_tokens", "lm_head", "wte", "embed_in", "embed_out"})
 """Modules every causal LM has outside its decoder layers (Llama's and GPT-style names), which PEFT can target."""
 _LORA_SUFFIX = re.compile(r"\.lora_[AB](?:\.default)?\.weight$")
+EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+"""The fused-experts parameters an adapter's `target_parameters` may name (by their last two path parts)."""
+# `...layers.3.mlp.experts.base_layer.lora_A.weight`: PEFT nests one ParamWrapper per targeted parameter
+_EXPERT_KEY = re.compile(r"\.layers\.(\d+)\.(?:.*\.)?experts\.(?:base_layer\.)*lora_([AB])(?:\.default)?\.weight$")
+
+
+def expert_unit(module: str, expert: int) -> str:
+    """The module name under which expert `expert`'s LoRA of `module` (one of EXPERT_MODULES) is kept."""
+    return f"{module}.{expert}"
+
+
+def split_expert_unit(name: str) -> tuple[str, int] | None:
+    """(module, expert) of an `expert_unit` name; None for a dense projection's name."""
+    module, _, expert = name.rpartition(".")
+    return (module, int(expert)) if module in EXPERT_MODULES and expert.isdigit() else None
+
+
+def _dense_key(key: str) -> re.Match | None:
+    """`_WEIGHT_KEY`'s match of a dense projection's tensor name (None for an expert tensor or another name)."""
+    return None if _EXPERT_KEY.search(key) else _WEIGHT_KEY.search(key)
 
 
 class AdapterError(ValueError):
@@ -50,11 +83,15 @@ class ModuleDims:
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """What an adapter is checked against: the base model's layers and projections, and the server's rank limit."""
+    """What an adapter is checked against: the base model's layers and projections, and the server's rank limit.
+    An MoE model whose fused experts take LoRA adds their count and `expert_modules` (EXPERT_MODULES -> one
+    expert's dims)."""
 
     num_layers: int
     modules: dict[str, ModuleDims]
     max_rank: int | None = None
+    num_experts: int = 0
+    expert_modules: dict[str, ModuleDims] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +114,8 @@ class AdapterSpec:
 
 @dataclass(slots=True)
 class LoadedAdapter:
-    """An adapter's spec and its weights: `weights[(layer_id, module)] = (A: (r, in), B: (out, r))`, fp32, CPU."""
+    """An adapter's spec and its weights: `weights[(layer_id, module)] = (A: (r, in), B: (out, r))`, fp32, CPU;
+    `module` is a projection's name or an `expert_unit` name (one expert of a fused-experts parameter)."""
 
     spec: AdapterSpec
     weights: dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
@@ -144,7 +182,10 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise _fail(name, f"'lora_alpha' must be a positive number, got {alpha!r}")
     targets = config.get("target_modules")
-    if isinstance(targets, str) and targets:
+    experts = _expert_targets(name, config.get("target_parameters"))
+    if experts and not targets:  # only the experts: PEFT writes no target_modules (None) then
+        config = {**config, "target_modules": list(experts)}
+    elif isinstance(targets, str) and targets:
         # PEFT's pattern form (a regex over module paths, or "all-linear" left unresolved): what it matched is
         # exactly what the weight file holds, so the modules are read from there.
         config = {**config, "target_modules": _resolve_pattern(name, path, targets)}
@@ -153,6 +194,8 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     elif any("." in t for t in targets):
         # PEFT matches a dotted entry ("self_attn.q_proj") as the end of a module's path: the module is its last part
         config = {**config, "target_modules": sorted({t.rsplit(".", 1)[-1] for t in targets})}
+    if experts and targets:
+        config = {**config, "target_modules": sorted(set(config["target_modules"]) | set(experts))}
     if config.get("use_dora"):
         raise _fail(name, "DoRA adapters are not supported")
     bias = config.get("bias", "none")
@@ -178,6 +221,23 @@ def read_config(path: str | os.PathLike, name: str | None = None,
     ):
         raise _fail(name, f"'alora_invocation_tokens' must be a non-empty list of token ids, got {invocation!r}")
     return config
+
+
+def _expert_targets(name: str, params) -> tuple[str, ...]:
+    """The EXPERT_MODULES named by a config's `target_parameters` (empty when it has none); raises AdapterError for
+    any other parameter."""
+    if params in (None, [], ()):
+        return ()
+    if not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
+        raise _fail(name, f"'target_parameters' must be a list of parameter names, got {params!r}")
+    found = set()
+    for param in params:
+        module = ".".join(param.split(".")[-2:])
+        if module not in EXPERT_MODULES:
+            raise _fail(name, f"target parameter {param!r} is not supported; only the fused experts' "
+                              f"{' / '.join(EXPERT_MODULES)}")
+        found.add(module)
+    return tuple(sorted(found))
 
 
 def weights_file(path: str | os.PathLike) -> Path | None:
@@ -229,8 +289,9 @@ def _weight_keys(path: str | os.PathLike) -> list[str]:
 
 
 def weight_modules(path: str | os.PathLike) -> tuple[str, ...]:
-    """The module names (sorted) that `path`'s weight file holds per-layer LoRA weights for."""
-    return tuple(sorted({m.group(2) for k in _weight_keys(path) if (m := _WEIGHT_KEY.search(k)) is not None}))
+    """The projection names (sorted) that `path`'s weight file holds per-layer LoRA weights for (expert tensors,
+    which only their shapes tell apart, are left out)."""
+    return tuple(sorted({m.group(2) for k in _weight_keys(path) if (m := _dense_key(k)) is not None}))
 
 
 def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
@@ -239,7 +300,7 @@ def _resolve_pattern(name: str, path: Path, pattern: str) -> list[str]:
     none, the regex is invalid, or some weight's module is not one the pattern selects."""
     modules, paths = set(), set()
     for key in _weight_keys(path):
-        m = _WEIGHT_KEY.search(key)
+        m = _dense_key(key)
         if m is not None:
             modules.add(m.group(2))
             paths.add(_LORA_SUFFIX.sub("", key).removeprefix("base_model.model."))
@@ -302,7 +363,11 @@ def check_against_model(spec: AdapterSpec, shape: ModelShape) -> None:
             spec.name,
             f"rank {spec.rank} exceeds the server's maximum LoRA rank {shape.max_rank} (--max-lora-rank)",
         )
-    missing = sorted(set(spec.target_modules) - set(shape.modules))
+    experts = sorted(set(spec.target_modules) & set(EXPERT_MODULES))
+    if experts and not set(experts) <= set(shape.expert_modules):
+        raise _fail(spec.name, f"it targets the fused experts' {experts}, which take no LoRA on this model (no "
+                               f"fused experts, or not run by the plugin's expert LoRA layers)")
+    missing = sorted(set(spec.target_modules) - set(shape.modules) - set(EXPERT_MODULES))
     outside = [m for m in missing if m in _OUTSIDE_LAYERS]
     if outside:
         raise _fail(
@@ -351,7 +416,14 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
             raise _fail(spec.name, f"{WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 
     halves: dict[tuple[int, str], dict[str, "torch.Tensor"]] = {}
+    expert_halves: dict[tuple[int, str], dict[str, "torch.Tensor"]] = {}
     for key, tensor in tensors.items():
+        if (e := _EXPERT_KEY.search(key)) is not None:
+            _check_tensor(spec.name, key, tensor)
+            if int(e.group(1)) >= shape.num_layers:
+                raise _fail(spec.name, f"tensor {key!r} is for layer {e.group(1)}; the model has {shape.num_layers}")
+            expert_halves.setdefault((int(e.group(1)), key[: e.start(2)]), {})[e.group(2)] = tensor.float()
+            continue
         m = _WEIGHT_KEY.search(key)
         if m is None:
             raise _fail(spec.name, f"unexpected tensor {key!r} (only per-layer lora_A / lora_B weights are supported)")
@@ -360,10 +432,7 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
             raise _fail(spec.name, f"tensor {key!r} targets module {module!r}, which the base model does not have")
         if layer_id >= shape.num_layers:
             raise _fail(spec.name, f"tensor {key!r} is for layer {layer_id}; the model has {shape.num_layers}")
-        if not tensor.is_floating_point():
-            raise _fail(spec.name, f"tensor {key!r} has dtype {tensor.dtype}; LoRA weights are floating point")
-        if not bool(tensor.isfinite().all()):
-            raise _fail(spec.name, f"tensor {key!r} holds NaN or infinite values")
+        _check_tensor(spec.name, key, tensor)
         halves.setdefault((layer_id, module), {})[half] = tensor.float().contiguous()
 
     weights = {}
@@ -379,9 +448,38 @@ def load_adapter(path: str | os.PathLike, shape: ModelShape, name: str | None = 
                 f"rank {spec.rank} and the module's ({dims.in_features} -> {dims.out_features})",
             )
         weights[(layer_id, module)] = (a, b)
+    weights |= _split_experts(spec, shape, expert_halves)
     if not weights:
         raise _fail(spec.name, f"{file.name} holds no LoRA weights")
     return LoadedAdapter(spec=spec, weights=weights)
+
+
+def _check_tensor(name: str, key: str, tensor: "torch.Tensor") -> None:
+    if not tensor.is_floating_point():
+        raise _fail(name, f"tensor {key!r} has dtype {tensor.dtype}; LoRA weights are floating point")
+    if not bool(tensor.isfinite().all()):
+        raise _fail(name, f"tensor {key!r} holds NaN or infinite values")
+
+
+def _split_experts(spec: AdapterSpec, shape: ModelShape, pairs: dict[tuple[int, str], dict]) -> dict:
+    """Per-expert units (see the module docstring) of PEFT's fused-experts tensors, keyed by (layer, wrapper path);
+    raises AdapterError for a lone half, shapes that fit no experts parameter at the adapter's rank, or a parameter
+    the config does not target."""
+    num_e, r = shape.num_experts, spec.rank
+    units = {}
+    for (layer, prefix), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise _fail(spec.name, f"layer {layer} {prefix!r}: lora_A and lora_B must both be present")
+        a, b = pair["A"], pair["B"]
+        module = next((m for m, d in shape.expert_modules.items() if tuple(a.shape) == (num_e * r, d.in_features)
+                       and tuple(b.shape) == (d.out_features, r * num_e)), None)
+        if module is None or module not in spec.target_modules:
+            raise _fail(spec.name, f"layer {layer}: expert tensors lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                                   f"match no targeted fused-experts parameter ({num_e} experts, rank {r})")
+        a_e, b_e = a.view(num_e, r, -1), b.view(b.shape[0], r, num_e)
+        for e in range(num_e):
+            units[(layer, expert_unit(module, e))] = (a_e[e].contiguous(), b_e[:, :, e].contiguous())
+    return units
 
 
 def find_invocation_start(token_ids: list[int], invocation: tuple[int, ...]) -> int | None:

@@ -114,6 +114,14 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def moe_model_path(model_path) -> str:
+    """The embedded MoE model (`sgl_multilora.embedded_moe`: the dense model upcycled into a 4-expert Mixtral)."""
+    from sgl_multilora.embedded_moe import ensure_embedded_moe_model
+
+    return str(ensure_embedded_moe_model())
+
+
+@pytest.fixture(scope="session")
 def manifest() -> list[dict]:
     """The bundled adapters (assets/adapters/manifest.json), each with its absolute `path`."""
     entries = json.loads((ADAPTERS_DIR / "manifest.json").read_text())

@@ -98,9 +98,11 @@ class LoRAServerClient:
         frames = encode_delta(req_id, layer_id, group, x, adapter_index, adapter_names, expert_ids, identities)
         return self._submit(req_id, frames, _decode_delta)
 
-    def residency(self) -> dict:
-        """{"resident": [names in slot order], "free_slots", "loading": [..], "pinned": {..}, ...}."""
-        return self._call("residency")
+    def residency(self, active: list[str] | None = None) -> dict:
+        """{"resident": [names in slot order], "free_slots", "loading": [..], "pinned": {..}, "in_use": [..],
+        "max_slots", ...}. `active`: declares the adapters this worker's running requests use (counted in `in_use`
+        for the server's IN_USE_TTL_S)."""
+        return self._call("residency") if active is None else self._call("residency", active=list(active))
 
     def prefetch(self, names: list[str]) -> list[str]:
         """Asks the server to load `names` into slots out of band; returns the names it queued."""

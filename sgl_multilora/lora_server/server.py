@@ -43,6 +43,9 @@ from sgl_multilora.lora_server.slots import NoFreeSlot, SlotPool
 logger = logging.getLogger(__name__)
 _POLL_MS = 50
 _instances = count()
+IN_USE_TTL_S = 10.0
+"""How long a worker's declared adapters (its last `residency` call's `active`, or its last delta call's adapters)
+count as in use when it says nothing more: a worker that died stops holding slots after this."""
 
 
 class LoRAServer:
@@ -61,6 +64,8 @@ class LoRAServer:
         n = next(_instances)
         self._work_addr, self._done_addr = f"inproc://lora-work-{n}", f"inproc://lora-done-{n}"
         self._threads: list[threading.Thread] = []
+        self._in_use: dict[bytes, tuple[frozenset[str], float]] = {}  # client -> (adapters in use, expiry)
+        self._client = b""  # the identity of the client whose request is being handled
         self.counters = {"requests": 0, "errors": 0, "delta_calls": 0, "delta_rows": 0, "compute_s": 0.0,
                          "bytes_in": 0, "bytes_out": 0}
 
@@ -129,7 +134,7 @@ class LoRAServer:
                         self._prefetch_one()
                     continue
                 frames = work_pull.recv_multipart(copy=False)
-                done_push.send_multipart([frames[0], *self.handle(frames[1:])], copy=False)
+                done_push.send_multipart([frames[0], *self.handle(frames[1:], client=frames[0].bytes)], copy=False)
         finally:
             work_pull.close(linger=0)
             done_push.close(linger=0)
@@ -141,9 +146,9 @@ class LoRAServer:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def handle(self, frames: list) -> list:
-        """The reply frames for one request's frames (header first). Never raises: every failure is an error reply.
-        Mutates the catalog, the pool and the counters."""
+    def handle(self, frames: list, client: bytes = b"") -> list:
+        """The reply frames for one request's frames (header first) from `client` (its ROUTER identity). Never
+        raises: every failure is an error reply. Mutates the catalog, the pool, the in-use table and the counters."""
         self.counters["requests"] += 1
         self.counters["bytes_in"] += sum(len(f) for f in frames)
         header = None
@@ -151,6 +156,7 @@ class LoRAServer:
             if not frames:
                 raise ProtocolError("empty message")
             header = decode_header(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])
+            self._client = client
             reply = getattr(self, f"_op_{header['op']}")(header, frames[1:])
         except ProtocolError as e:
             reply = self._error(header, frames, str(e), e.code)
@@ -193,6 +199,7 @@ class LoRAServer:
                                     "under the same name)", "stale_adapter")
         used_idx = torch.unique(req.adapter_index[req.adapter_index >= 0]).tolist()
         used = [req.adapter_names[i] for i in used_idx]
+        self._declare(req.adapter_names)
         start = time.perf_counter()
         tables = self.pool.acquire(used)
         try:
@@ -206,8 +213,27 @@ class LoRAServer:
         return [reply_header(header, rows=int(delta.shape[0]), out=int(delta.shape[1]),
                              dtype=DTYPE_NAMES[delta.dtype]), tensor_frame(delta)]
 
+    def _declare(self, names) -> None:
+        self._in_use[self._client] = (frozenset(names), time.monotonic() + IN_USE_TTL_S)
+
+    def in_use(self) -> set[str]:
+        """Adapters some worker declared in use (its running requests' adapters) within IN_USE_TTL_S."""
+        now = time.monotonic()
+        for client in [c for c, (_, expiry) in self._in_use.items() if expiry < now]:
+            del self._in_use[client]
+        return set().union(*(names for names, _ in self._in_use.values()))
+
     def _op_residency(self, header: dict, frames: list) -> list:
-        return [reply_header(header, **self.pool.residency())]
+        """`active` (optional): the adapters the calling worker's running requests use; the reply's `in_use` is the
+        union over workers, so a worker admits a new adapter only while `len(in_use) < max_slots` (InfiniLoRA's rule:
+        resident, or a slot that no running request needs)."""
+        active = header.get("active")
+        if active is not None:
+            if not isinstance(active, list) or not all(isinstance(n, str) for n in active):
+                raise ProtocolError("residency header field 'active' must be a list of adapter names")
+            self._declare(n for n in active if n in self.catalog.adapters)
+        return [reply_header(header, **self.pool.residency(), in_use=sorted(self.in_use()),
+                             max_slots=self.pool.max_slots)]
 
     def _op_prefetch(self, header: dict, frames: list) -> list:
         names = header.get("names")
