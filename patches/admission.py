@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
-from sgl_multilora.patches import flags, lora_remote
+from sgl_multilora.patches import flags, remote_admission
 from sgl_multilora.patches.state import process_state
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
@@ -135,7 +135,7 @@ def can_schedule_lora_req(original, self, req, running_loras):
             mem.num_lora_batch_skips += 1
             mem.gate.refusals[req.rid] = "SGLang's adapters-per-batch limit (--max-loras-per-batch)"
         return False
-    remote = lora_remote.admission()
+    remote = remote_admission.admission()
     if remote is not None and req.lora_id is not None:  # the adapter's weights live on the LoRA server
         registry = process_state().adapters
         spec = registry.spec(req.lora_id)

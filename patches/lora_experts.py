@@ -182,7 +182,7 @@ def wrap_experts(model: nn.Module, shape: ModelShape) -> tuple[ModelShape, list[
 
 def attach(experts: list[MultiLoRAExperts], step, source: ExpertDeltaSource | None = None) -> None:
     """Points every wrapper at `step` (the owner's `LoRAStep`) and `source` (default: the in-process deltas over
-    `step`; a LoRA server's with `--multilora-lora-server`, `lora_remote.RemoteExpertDeltas`)."""
+    `step`; a LoRA server's with `--multilora-lora-server`, `remote_deltas.RemoteExpertDeltas`)."""
     source = source or LocalExpertDeltas(step)
     for layer in experts:
         layer.step, layer.deltas = step, source

@@ -29,7 +29,7 @@ class LoRAStep:
     def __init__(self):
         self.meta: SegmentMeta | None = None  # made on the first step, then refilled (or grown)
         self.adapters: Mapping[str, LoadedAdapter] = {}
-        self.remote = None  # a `lora_remote.RemoteStep` where a LoRA server computes the deltas
+        self.remote = None  # a `remote_deltas.RemoteStep` where a LoRA server computes the deltas
 
     def prepare(
         self,

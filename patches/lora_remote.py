@@ -1,34 +1,21 @@
 """LoRA computed by a LoRA server (`--multilora-lora-server ADDR`): the worker holds no adapter weights.
 
-InfiniLoRA's split, on SGLang's `--model-impl transformers` path: the worker keeps its base weights and KV, and per
-layer sends the activations of every LoRA-targeted projection group to the LoRA server (`sgl_multilora.lora_server`),
-which holds the adapters and returns the deltas; the worker adds them to its own base output. One call per fused
-projection group and layer (`GROUPS`), as the paper's one call per MoE sub-layer:
+InfiniLoRA's split, on SGLang's `--model-impl transformers` path: the worker keeps its base weights and KV and sends
+each layer's LoRA-targeted activations to the LoRA server (`sgl_multilora.lora_server`), which holds the adapters and
+returns the deltas (`remote_deltas.py`); admission asks the server's cache (`remote_admission.py`).
 
-    q_proj ─┐                          o_proj ── "o"      gate_proj ─┐                 down_proj ── "down"
-    k_proj ─┼─ "qkv" (outputs q|k|v)                      up_proj  ──┴─ "gate_up" (gate|up)
-    v_proj ─┘
-
-The first projection of a group the model calls submits the group's call for its input (only the rows of tokens an
-adapter applies to: base tokens and aLoRA tokens before their activation start are never sent) and computes its own
-base GEMM while the round trip is in flight; every projection of the group then takes its columns of the one reply.
-HF's decoder layers call q/k/v (and gate/up) on one input tensor; a projection whose input is not the tensor its group
-was submitted with gets a call of its own (`group` = its module), so the values never depend on that assumption.
-
-Names: a name SGLang has not registered is resolved against the LoRA server's catalog in the HTTP process
-(`on_demand.py`) and loaded with the path `lora-server://NAME`; the scheduler's load (`lora_transformers.py`) takes the
-adapter's spec (identity, rank, targets, aLoRA tokens) from the catalog, validates it against this model and keeps no
-weights. Every delta call names the adapter's identity as well as its name, so a server that has since reloaded a
-name with other weights refuses the call instead of computing with them.
+Lives here: this process's client, names and loading, faults and counters. A name SGLang has not registered is
+resolved against the LoRA server's catalog in the HTTP process (`on_demand.py`) and loaded with the path
+`lora-server://NAME`; the scheduler's load (`lora_transformers.py`) takes the adapter's spec (identity, rank,
+targets, aLoRA tokens) from the catalog, validates it against this model and keeps no weights. Every delta call names
+the adapter's identity as well as its name, so a server that has since reloaded a name with other weights refuses
+the call instead of computing with them. A forward whose call fails ends its adapter requests with HTTP 503
+(`after_run_batch`).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-
-import torch
-
 from http import HTTPStatus
 
 from sgl_multilora.adapters import (
@@ -42,17 +29,6 @@ from sgl_multilora.adapters import (
 from sgl_multilora.patches import flags
 
 REMOTE_SCHEME = "lora-server://"
-
-# module -> (group, the group's modules in output order)
-GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
-    "k_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
-    "v_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
-    "o_proj": ("o", ("o_proj",)),
-    "gate_proj": ("gate_up", ("gate_proj", "up_proj")),
-    "up_proj": ("gate_up", ("gate_proj", "up_proj")),
-    "down_proj": ("down", ("down_proj",)),
-}
 
 _lock = threading.Lock()
 _client = None
@@ -166,218 +142,6 @@ def manager_load(manager, lora_ref, shape: ModelShape, registry):
     return result
 
 
-@dataclass
-class _Call:
-    x: tuple  # the input the call was submitted for: (data_ptr, shape, version), see `_input_key`
-    modules: tuple[str, ...]
-    pending: object
-    delta: torch.Tensor | None = None
-
-
-def _input_key(x: torch.Tensor) -> tuple:
-    """Which input tensor `x` is: each projection sees a fresh view (`reshape`) of its module's input, so views of
-    one tensor share the storage address, shape and version counter (an in-place write in between bumps it)."""
-    return x.data_ptr(), tuple(x.shape), x._version
-
-
-class RemoteStep:
-    """One forward's remote LoRA: which rows go, tagged with which adapters, and the calls in flight.
-
-    `prepare` runs once per step (after the step's `SegmentMeta` is refilled); `submit` / `add_into` run per wrapped
-    projection. Not thread-safe: one scheduler thread uses it."""
-
-    def __init__(self, shape) -> None:
-        self.shape = shape  # ModelShape: output widths of every module
-        self.rows: torch.Tensor | None = None  # token rows an adapter applies to
-        self.adapter_index: torch.Tensor | None = None  # per sent row: index into `names`
-        self.names: list[str] = []
-        self.identities: list[str] = []
-        self.targeted: set[str] = set()  # modules some adapter of the step targets
-        self.failed: str | None = None  # why a call of this step got no delta (its LoRA rows are wrong)
-        self._calls: dict[tuple[int, str], _Call] = {}
-
-    def prepare(self, meta, specs: list[AdapterSpec]) -> None:
-        """`specs[s]` serves slot s of `meta` (meta.keys[s])."""
-        self._calls.clear()
-        self.failed = None
-        n = meta.num_tokens
-        slots = meta.token_slot[:n]
-        rows = torch.nonzero(slots >= 0).flatten()
-        self.rows = rows if rows.numel() else None
-        self.adapter_index = slots[rows].to(torch.int32) if rows.numel() else None
-        self.names = [s.name for s in specs]
-        self.identities = [s.identity for s in specs]
-        self.targeted = {m for s in specs for m in s.target_modules}
-
-    @property
-    def active(self) -> bool:
-        return self.rows is not None
-
-    def submit(self, layer_id: int, module: str, x2: torch.Tensor) -> _Call | None:
-        """The call serving (`layer_id`, `module`) for input `x2` (rows, in), sent now unless its group's call for
-        this very input is already in flight. Does not wait."""
-        if self.rows is None or module not in self.targeted or self.failed is not None:
-            return None
-        group, modules = GROUPS[module]
-        key, x_key = (layer_id, group), _input_key(x2)
-        call = self._calls.get(key)
-        if call is not None and call.x == x_key:
-            return call
-        if call is not None:  # another input than the group's call: the group again for it, under its own key
-            key = (layer_id, module)
-            own = self._calls.get(key)
-            if own is not None and own.x == x_key:
-                return own
-        rows = x2.index_select(0, self.rows)  # a copy: the client sends it without one, so it must not change
-        try:
-            pending = client().submit_delta(layer_id, group, rows, self.adapter_index, self.names,
-                                            identities=self.identities)
-        except ConnectionError as e:  # LoRAServerUnavailable
-            self.failed = str(e)
-            return None
-        call = _Call(x_key, modules, pending)
-        self._calls[key] = call
-        return call
-
-    def add_into(self, call: _Call, module: str, out2: torch.Tensor) -> None:
-        """Waits for `call` and adds `module`'s columns of its delta into `out2` (rows, out) in place. A call the
-        server does not answer (or answers with an error) adds nothing and marks the step `failed`: its requests with
-        adapters are then ended (`after_run_batch`), never answered with what the base model computed."""
-        from sgl_multilora.lora_server.client import LoRAServerError, LoRAServerUnavailable
-
-        if self.failed is not None:
-            return
-        if call.delta is None:
-            try:
-                call.delta = call.pending.result()
-            except (LoRAServerUnavailable, LoRAServerError) as e:
-                self.failed = str(e)
-                return
-        start = 0
-        for m in call.modules:
-            width = self.shape.modules[m].out_features
-            if m == module:
-                out2.index_add_(0, self.rows, call.delta[:, start:start + width].to(out2.dtype))
-                return
-            start += width
-        raise RuntimeError(f"module {module} is not in the LoRA server call's group {call.modules}")
-
-
-class RemoteAdmission:
-    """InfiniLoRA's admission rule against the LoRA server's cache (§2.2), in one scheduler process: a request with an
-    adapter goes in when the LoRA server holds its adapter, or when fewer adapters than the server's slots are in use
-    by running requests (over every worker: each declares its own with `residency(active=...)`); otherwise it waits,
-    and the queue goes on to the next request. An admitted adapter not yet resident is prefetched out of band, so it
-    loads while the batch is being formed. The server's view is asked at most once per VIEW_TTL_S; adapters
-    admitted since count as in use."""
-
-    VIEW_TTL_S = 0.02
-
-    def __init__(self) -> None:
-        self._view: dict | None = None
-        self._asked = 0.0
-        self._claimed: set[str] = set()
-        self._prefetched: set[str] = set()
-        self.waits = 0  # requests kept waiting for a slot
-
-    def _refresh(self, running_names: set[str]) -> dict | None:
-        import time
-
-        now = time.monotonic()
-        if self._view is None or now - self._asked > self.VIEW_TTL_S:
-            from sgl_multilora.lora_server.client import LoRAServerError, LoRAServerUnavailable
-
-            try:
-                self._view = client().residency(active=sorted(running_names))
-            except (LoRAServerUnavailable, LoRAServerError):
-                self._view = None  # unknown: admit, and let the forward's call fail with HTTP 503 if it is down
-            self._asked, self._claimed, self._prefetched = now, set(), set()
-        return self._view
-
-    def admits(self, name: str, running_names: set[str]) -> bool:
-        view = self._refresh(running_names)
-        if view is None:
-            return True
-        resident, in_use = set(view["resident"]), set(view["in_use"]) | running_names | self._claimed
-        if name in in_use or name in resident:
-            self._claimed.add(name)
-            return True
-        if len(in_use) < int(view["max_slots"]):
-            self._claimed.add(name)
-            if name not in self._prefetched:
-                self._prefetched.add(name)
-                try:
-                    client().prefetch([name])
-                except Exception:  # a hint only: the first delta call loads it anyway
-                    pass
-            return True
-        self.waits += 1
-        return False
-
-
-_admission: RemoteAdmission | None = None
-
-
-def admission() -> RemoteAdmission | None:
-    """This scheduler's admission against the LoRA server; None without `--multilora-lora-server`."""
-    global _admission
-    if address() is None:
-        return None
-    if _admission is None:
-        _admission = RemoteAdmission()
-    return _admission
-
-
-class RemoteExpertDeltas:
-    """The experts' LoRA deltas computed by the LoRA server (an `lora_experts.ExpertDeltaSource`): one call per MoE
-    sub-layer and step (`experts.gate_up`, `experts.down`), InfiniLoRA's two round trips per MoE layer, carrying only
-    the routed rows an adapter applies to, each tagged with its adapter and expert. Failures mark the step as
-    `RemoteStep.add_into` does."""
-
-    CALLS = {"gate_up": ("experts.gate_up", "experts.gate_up_proj"), "down": ("experts.down", "experts.down_proj")}
-
-    def __init__(self, remote: RemoteStep) -> None:
-        self.remote = remote
-
-    def submit(self, layer_id, call, expert_ids, slot_ids, x):
-        rs = self.remote
-        group, module = self.CALLS[call]
-        if rs.rows is None or module not in rs.targeted or rs.failed is not None:
-            return None
-        active = torch.nonzero(slot_ids >= 0).flatten()
-        if not active.numel():
-            return None
-        try:
-            pending = client().submit_delta(layer_id, group, x.index_select(0, active),
-                                            slot_ids.index_select(0, active).to(torch.int32), rs.names,
-                                            expert_ids=expert_ids.index_select(0, active).to(torch.int32),
-                                            identities=rs.identities)
-        except ConnectionError as e:  # LoRAServerUnavailable
-            rs.failed = str(e)
-            return None
-        return active, pending, x.shape[0], x.dtype
-
-    def result(self, handle):
-        from sgl_multilora.lora_server.client import LoRAServerError, LoRAServerUnavailable
-
-        if handle is None or self.remote.failed is not None:
-            return None
-        active, pending, num_rows, dtype = handle
-        try:
-            delta = pending.result()
-        except (LoRAServerUnavailable, LoRAServerError) as e:
-            self.remote.failed = str(e)
-            return None
-        out = torch.zeros(num_rows, delta.shape[1], dtype=dtype)
-        out.index_copy_(0, active, delta.to(dtype))
-        return out
-
-
-def expert_source(step):
-    """The experts' delta source where a LoRA server computes them (`step.remote` set), else None."""
-    return None if step.remote is None else RemoteExpertDeltas(step.remote)
-
-
 def after_run_batch(result, self, batch, *args, **kwargs):
     """AFTER `Scheduler.run_batch(batch)`: where a LoRA server call of this forward failed, every request of the batch
     with an adapter ends with HTTP 503 naming the server, and its KV (computed without its deltas) is never cached;
@@ -395,3 +159,21 @@ def after_run_batch(result, self, batch, *args, **kwargs):
             req.skip_radix_cache_insert = True
             req.set_finish_with_abort(message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
     remote.failed = None
+    remote.counters["failed_steps"] += 1
+
+
+def stats() -> dict | None:
+    """This scheduler's side of the LoRA server (`/multilora/stats` "lora_server"): its address, the calls and rows
+    sent, the seconds the forward waited for replies after its base GEMMs (the round trip not hidden), failed steps
+    and admission waits; None without `--multilora-lora-server`."""
+    from sgl_multilora.patches.state import process_state
+
+    if address() is None:
+        return None
+    lora = process_state().lora
+    counters = dict(lora.step.remote.counters) if lora is not None and lora.step.remote is not None else {}
+    counters["wait_s"] = round(counters.get("wait_s", 0.0), 6)
+    from sgl_multilora.patches import remote_admission
+
+    adm = remote_admission.current()
+    return {"address": address(), **counters, "admission_waits": adm.waits if adm is not None else 0}

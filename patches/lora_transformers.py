@@ -28,7 +28,7 @@ from sgl_multilora.adapters import (
     read_spec,
     resolve_under_root,
 )
-from sgl_multilora.patches import flags, host_memory, lora_pool_layers, lora_remote
+from sgl_multilora.patches import flags, host_memory, lora_pool_layers, lora_remote, remote_deltas
 from sgl_multilora.patches import lora_experts
 from sgl_multilora.patches.lora_linear import LoRAStep, MultiLoRALinear
 from sgl_multilora.patches.state import process_state
@@ -52,7 +52,7 @@ class TransformersLoRA:
         self.adapters = self.registry.loaded_view()  # lora_id -> weights
         self.step = LoRAStep()
         if lora_remote.address() is not None:  # a LoRA server computes every delta; no weights here
-            self.step.remote = lora_remote.RemoteStep(shape)
+            self.step.remote = remote_deltas.RemoteStep(shape)
         for layer in layers:
             layer.step = self.step
 
@@ -172,7 +172,7 @@ def init_lora_modules(original, self):
         raise RuntimeError("sgl_multilora: a second LoRA manager in one process is not supported on the "
                            "--model-impl transformers path")
     state = TransformersLoRA(self, shape, layers)
-    lora_experts.attach(experts, state.step, lora_remote.expert_source(state.step))
+    lora_experts.attach(experts, state.step, remote_deltas.expert_source(state.step))
     process_state().lora = state
     logger.info(
         "sgl_multilora: LoRA on the transformers model path: %d projections wrapped (%s)",

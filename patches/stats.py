@@ -3,7 +3,8 @@
 The HTTP process asks the schedulers with SGLang's `GetInternalStateReq` (the message behind `/server_info`), and
 each scheduler adds its tree's `TreeStats` under the key "multilora". No files, no shared globals. The HTTP process
 adds its own part: the adapter tiers of `--multilora-adapter-source` / `--multilora-host-adapter-gb`
-(`adapter_tiers`, `patches/on_demand.py`; null without either flag).
+(`adapter_tiers`, `patches/on_demand.py`; null without either flag), and with `--multilora-lora-server` each
+scheduler's side of the LoRA server (`lora_server`: calls, rows, the seconds waited on replies, failures).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def scheduler_internal_state(result, self, *args, **kwargs):
         if process_state().scheduler is not None:
             memory["scheduler"] = process_state().scheduler.stats()
     result.internal_state["multilora_memory"] = memory
+    from sgl_multilora.patches import lora_remote
+
+    result.internal_state["multilora_lora_server"] = lora_remote.stats()
     return result
 
 
@@ -133,20 +137,23 @@ def add_routes(*args, **kwargs):
 
     async def read():
         states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
-        return [state.get("multilora") for state in states], [state.get("multilora_memory") for state in states]
+        remote = [state.get("multilora_lora_server") for state in states]
+        return ([state.get("multilora") for state in states], [state.get("multilora_memory") for state in states],
+                None if all(r is None for r in remote) else remote)
 
     @http_server.app.get(METRICS_ROUTE)
     async def multilora_metrics():
-        per_rank, memory = await read()
+        per_rank, memory, _ = await read()
         return PlainTextResponse(prometheus_text(per_rank, memory, adapter_tiers()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @http_server.app.get(ROUTE)
     async def multilora_stats():
-        per_rank, memory = await read()
+        per_rank, memory, remote = await read()
         if all(s is None for s in per_rank):
             return {"enabled": False, "reason": "the server runs without --radix-cache-backend multilora",
-                    "memory": memory, "adapter_tiers": adapter_tiers()}
-        return {"enabled": True, "schedulers": per_rank, "memory": memory, "adapter_tiers": adapter_tiers()}
+                    "memory": memory, "adapter_tiers": adapter_tiers(), "lora_server": remote}
+        return {"enabled": True, "schedulers": per_rank, "memory": memory, "adapter_tiers": adapter_tiers(),
+                "lora_server": remote}
 
     return None

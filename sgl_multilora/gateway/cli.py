@@ -1,5 +1,6 @@
 """The command line of `python -m sgl_multilora.cluster --workers N --router-port P --policy POLICY [-- <launch_server
-args>]`: N plugin workers on ports P+1..P+N behind SGLang's router `smg` on port P, until Ctrl-C or SIGTERM.
+args>]`: N plugin workers on ports P+1..P+N behind SGLang's router `smg` on port P, until Ctrl-C or SIGTERM; with
+`--lora-server-adapter-dir DIR`, one LoRA server beside them that holds the adapters and computes their deltas.
 
 Lives here: argument checks and the run loop (restarting a worker that exits). Not here: starting and stopping the
 processes (launch.py). `sgl_multilora/cluster/__main__.py` only calls `main`, so the command keeps the name users
@@ -8,11 +9,14 @@ know while the pure placement core imports nothing of the live gateway."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import tempfile
 import time
 
 from sgl_multilora.gateway.launch import POLICIES, RESERVED_WORKER_FLAGS, Cluster, ClusterError
+from sgl_multilora.lora_server.launch import LoRAServerProcess, LoRAServerStartError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -39,6 +43,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="an extra argument of our gateway with lora_aware (repeat, e.g. --gateway-arg=--balancer "
                              "--gateway-arg=mell for MELL's live KV balancing, --gateway-arg=--migration "
                              "--gateway-arg=recompute)")
+    parser.add_argument("--lora-server-adapter-dir", default=None, metavar="DIR",
+                        help="start a LoRA server (python -m sgl_multilora.lora_server) holding the adapters in DIR "
+                             "beside the workers: the workers get --multilora-lora-server and hold no adapter weights")
+    parser.add_argument("--lora-server-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument of the LoRA server (repeat, e.g. --lora-server-arg=--max-slots "
+                             "--lora-server-arg=16)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="times a worker that exits is started again before the cluster stops (default: 3; "
@@ -53,7 +63,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag in RESERVED_WORKER_FLAGS:
         if flag in worker_args:
             parser.error(f"{flag} is set per worker by the launcher; leave it out of the worker flags")
+    if args.lora_server_adapter_dir is not None and "--multilora-lora-server" in worker_args:
+        parser.error("--lora-server-adapter-dir starts a LoRA server and points the workers at it; leave "
+                     "--multilora-lora-server out of the worker flags")
     return args, worker_args
+
+
+def start_lora_server(args: argparse.Namespace, worker_args: list[str], log_dir: str):
+    """The LoRA server of `--lora-server-adapter-dir`, started and answering, on an ipc socket in `log_dir`."""
+    model_path = worker_args[worker_args.index("--model-path") + 1]
+    address = f"ipc://{os.path.abspath(log_dir)}/lora_server.sock"
+    return LoRAServerProcess(args.lora_server_adapter_dir, model_path, address,
+                             os.path.join(log_dir, "lora_server.log"), args.lora_server_arg).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,8 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python keeps that
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop_on_signal)
+    lora_server = None
+    log_dir = args.log_dir
+    try:
+        if args.lora_server_adapter_dir is not None:
+            log_dir = log_dir or tempfile.mkdtemp(prefix="sgl_multilora_cluster_")
+            os.makedirs(log_dir, exist_ok=True)
+            print(f"starting the LoRA server on {args.lora_server_adapter_dir} ...", flush=True)
+            lora_server = start_lora_server(args, worker_args, log_dir)
+            print(f"lora server  {lora_server.address}  (log {lora_server.log_path})", flush=True)
+            worker_args = [*worker_args, "--multilora-lora-server", lora_server.address]
+        return _run(args, worker_args, log_dir)
+    except LoRAServerStartError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if lora_server is not None:
+            lora_server.stop()
+
+
+def _run(args: argparse.Namespace, worker_args: list[str], log_dir: str | None) -> int:
     cluster = Cluster(args.workers, worker_args, policy=args.policy, router_port=args.router_port, host=args.host,
-                      router_args=args.router_arg, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+                      router_args=args.router_arg, log_dir=log_dir, ready_timeout_s=args.ready_timeout,
                       gateway_args=args.gateway_arg)
     try:
         print(f"starting {args.workers} workers (logs in {cluster.log_dir}) ...", flush=True)

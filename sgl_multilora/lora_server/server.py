@@ -140,6 +140,7 @@ class LoRAServer:
             done_push.close(linger=0)
 
     def _prefetch_one(self) -> None:
+        self.pool.in_use = self.in_use()  # declarations past their TTL no longer protect a slot
         name = self.pool.prefetch_one()
         if name is not None:
             logger.debug("prefetched adapter %s", name)
@@ -215,6 +216,7 @@ class LoRAServer:
 
     def _declare(self, names) -> None:
         self._in_use[self._client] = (frozenset(names), time.monotonic() + IN_USE_TTL_S)
+        self.pool.in_use = self.in_use()
 
     def in_use(self) -> set[str]:
         """Adapters some worker declared in use (its running requests' adapters) within IN_USE_TTL_S."""

@@ -87,6 +87,7 @@ class SlotPool:
         self._tables: dict[str, Tables] = {}
         self._pins: dict[str, int] = {}
         self.loading: deque[str] = deque()
+        self.in_use: set[str] = set()  # adapters workers declared in use (the server keeps it current)
         self.events: deque[SlotEvent] = deque(maxlen=4096)
         self.counters = {"hits": 0, "misses": 0, "loads": 0, "evictions": 0, "load_s": 0.0}
 
@@ -212,8 +213,10 @@ class SlotPool:
         self.events.append(SlotEvent("load", name, slot))
 
     def _victim(self, now: float) -> str | None:
-        """The unpinned resident adapter with the lowest score (ties: the lowest slot), or None."""
+        """The unpinned resident adapter with the lowest score (ties: the lowest slot), one no worker declared in
+        use (`in_use`) if there is one; None when all are pinned."""
         candidates = [n for n in self._slots if n is not None and not self._pins.get(n)]
+        candidates = [n for n in candidates if n not in self.in_use] or candidates
         if not candidates:
             return None
         records = [self.stats.records[n] for n in candidates]

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sgl_multilora.lora_server.launch import LoRAServerProcess
 from tests.conftest import REPO, start_server
 from tests.e2e.served import generate
-from tests.e2e.test_remote_lora import LoRAServerProcess
 from tests.oracle import assert_matches, served_from
 from tests.unit.test_expert_lora import ADAPTERS, make_expert_adapter
 
@@ -53,8 +53,7 @@ def adapter_dirs(moe_model_path, tmp_path_factory) -> dict[str, str]:
 def cluster(moe_model_path, adapter_dirs, tmp_path_factory):
     root = next(iter(adapter_dirs.values())).rsplit("/", 1)[0]
     address = f"ipc://{tmp_path_factory.mktemp('sock')}/lora.sock"
-    server = LoRAServerProcess(root, moe_model_path, address, REPO / ".pytest_cache" / "e2e_remote_moe_srv.log")
-    server.start()
+    server = LoRAServerProcess(root, moe_model_path, address, REPO / ".pytest_cache" / "e2e_remote_moe_srv.log").start()
     workers = []
     try:
         for i in range(2):

@@ -107,22 +107,3 @@ def test_expert_requests_are_checked(moe):
         client.submit_delta(0, "gate_up", x, one, ["e8"]).result()  # Mixtral has no dense MLP
     with pytest.raises(LoRAServerError, match="per-row expert ids"):
         client.submit_delta(0, "experts.gate_up", x, one, ["e8"]).result()
-
-
-def test_both_expert_readers_give_the_same_units(moe, monkeypatch):
-    """`adapters.py`'s expert split (when present) and the server's own fallback reader agree unit for unit."""
-    from sgl_multilora.lora_server import catalog as cat_mod
-
-    if not cat_mod.adapters_split_experts():
-        pytest.skip("this adapters.py does not split expert LoRA yet: only the fallback reader exists")
-    _, _, root = moe
-    model = cat_mod.ServerModel.from_config(root / "model")
-    for path in sorted((root / "adapters").iterdir()):
-        theirs = cat_mod.read_host_adapter(path, model)
-        monkeypatch.setattr(cat_mod, "USE_OWN_EXPERT_READER", True)
-        own = cat_mod.read_host_adapter(path, model)
-        monkeypatch.setattr(cat_mod, "USE_OWN_EXPERT_READER", False)
-        assert sorted(theirs.units) == sorted(own.units)
-        assert all(torch.equal(theirs.units[k][i], own.units[k][i]) for k in own.units for i in (0, 1))
-        assert (theirs.spec.rank, theirs.spec.scaling, theirs.num_bytes) == (own.spec.rank, own.spec.scaling,
-                                                                             own.num_bytes)
