@@ -12,7 +12,8 @@ Kinds:
 - `parser edit`: a change to an argument SGLang's parser already defines; made by the `add_cli_args` hook.
 - `override`: a method of an SGLang class that a subclass of ours overrides (client-side frontend DSL).
 - `process-wide patch`: an attribute replaced for the whole process (CPU-only torch builds only); installed by the
-  start-up `.pth` hook of the CPU set-up and again by `plugin.register`.
+  start-up `.pth` hook of the CPU set-up and again by `plugin.register`. The GPU kit's rows (CUDA without
+  sgl_kernel, `gpu_compat.py`) are installed by the kit's start-up `sitecustomize.py`.
 """
 
 from __future__ import annotations
@@ -249,6 +250,28 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("torch.library.register_fake", Kind.PROCESS_PATCH, "patches.cpu_compat:install", (),
                "a no-op only while torchvision's top-level package executes: its C-op registrations fail on a "
                "CPU-only torch and SGLang imports torchvision unconditionally", Process.ALL),
+    # ---- CUDA machines without sgl_kernel (the GPU kit: patches/gpu_compat.py) -------------------------------------
+    TouchPoint("sglang.srt.utils.common.is_cuda", Kind.PROCESS_PATCH, "patches.gpu_compat:install", (),
+               "where sgl_kernel is missing on CUDA, a stub package stands in for it (SGLang imports its ops at "
+               "module import): the Llama path's ops in torch, any other op named when called", Process.ALL),
+    TouchPoint("sglang.kernels.ops.activation.activation.silu_and_mul", Kind.PROCESS_PATCH,
+               "patches.gpu_compat:install", (), "JIT activation kernels (tvm-ffi) replaced by torch ops", Process.ALL,
+               also=("sglang.kernels.ops.activation.activation.gelu_and_mul",
+                     "sglang.kernels.ops.activation.activation.gelu_tanh_and_mul")),
+    TouchPoint("sglang.kernels.ops.layernorm.norm.fused_add_rmsnorm", Kind.PROCESS_PATCH, "patches.gpu_compat:install",
+               (), "JIT fused add + RMSNorm replaced by a torch op", Process.ALL,
+               also=("sglang.kernels.ops.layernorm.rmsnorm_hf.rmsnorm_hf",)),
+    TouchPoint("sglang.kernels.ops.attention.rope.apply_rope_with_cos_sin_cache_inplace", Kind.PROCESS_PATCH,
+               "patches.gpu_compat:install", (), "JIT RoPE replaced by a torch op", Process.ALL,
+               also=("sglang.kernels.ops.attention.rope.rotary_embedding",)),
+    TouchPoint("sglang.kernels.ops.kvcache.kvcache.can_use_store_cache", Kind.PROCESS_PATCH,
+               "patches.gpu_compat:install", (), "answers False: KV is stored by plain indexing, not the JIT kernel",
+               Process.ALL),
+    TouchPoint("sglang.srt.models.utils.enable_fused_set_kv_buffer", Kind.PROCESS_PATCH, "patches.gpu_compat:install",
+               (), "answers False: RoPE and the KV store run apart (no fused JIT kernel)", Process.ALL),
+    TouchPoint("sglang.kernels.fused_op.get_fused_op_backend", Kind.PROCESS_PATCH, "patches.gpu_compat:install", (),
+               "SGLANG_FORCE_FUSED_OP_BACKEND=torch (if unset): fused ops run their pure-torch forward_native",
+               Process.ALL),
     # ---- frontend DSL (client side) -----------------------------------------------------------------------------
     TouchPoint(f"{_RE}.RuntimeEndpoint._add_images", Kind.OVERRIDE, "patches.frontend:MultiLoRAEndpoint",
                ("self", "s", "data"),
