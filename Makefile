@@ -18,9 +18,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -ra -n 2 -m "not e2e"
 
-# Retrain the bundled adapters (minutes on 2 cores); the results are committed in assets/adapters/.
+# Retrain the bundled adapters (minutes on 2 cores); the results are committed in assets/adapters/ and
+# assets/moe_adapters/ (the MoE model's expert adapters).
 adapters: setup
 	$(PY) tools/train_adapters.py
+	$(PY) tools/train_expert_adapters.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis

@@ -4,6 +4,8 @@ Not here: measurements (eval/live/, eval/bench/).
 Sends requests to the base model and to each adapter (the standard LoRAs concurrently, so batches mix adapters),
 then a pipeline for each aLoRA check (a base answer, then the check on the same context, which reuses the base
 model's KV through the LoRA-aware tree), and prints what each answered with TTFT, decode tokens/s and cached tokens. Stops the server at the end, also on Ctrl-C.
+A second, short part does the same for the embedded MoE model: a LoRA server holding the expert adapters of
+`assets/moe_adapters/` and one worker that holds none (`--multilora-lora-server`), asked concurrently.
 """
 
 from __future__ import annotations
@@ -11,18 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
 from sgl_multilora.embedded import ensure_embedded_model
+from sgl_multilora.embedded_moe import ensure_embedded_moe_model
 from sgl_multilora.server import cpu_server_args, launch
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS_DIR = REPO / "assets" / "adapters"
+MOE_ADAPTERS_DIR = REPO / "assets" / "moe_adapters"
 QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow."]
 
 
@@ -111,32 +117,99 @@ def print_table(results: list[Result]) -> None:
     Console(width=max(Console().width, 150)).print(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--port", type=int, default=None)
-    args = parser.parse_args(argv)
+def run_moe(url: str, tokenizer, manifest: list[dict], max_new_tokens: int) -> list[Result]:
+    """Each expert adapter's example prompt and the base model's answer to the first, all at once."""
+    jobs = [(None, manifest[0]["example_prompt"])] + [(e["name"], e["example_prompt"]) for e in manifest]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        outs = list(pool.map(lambda j: stream_generate(url, chat(tokenizer, j[1]), j[0], max_new_tokens), jobs))
+    return [to_result(name or "base", "moe lora" if name else "base", q, out) for (name, q), out in zip(jobs, outs)]
 
-    from transformers import AutoTokenizer
 
-    model_path = ensure_embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+def print_moe_table(results: list[Result]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="MoE part: a LoRA server with the expert adapters + one MoE worker holding none")
+    for col in ("adapter", "prompt", "answer (first 60 chars)", "TTFT ms"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        table.add_row(r.adapter, r.prompt, r.answer[:60], f"{r.ttft_s * 1000:.0f}")
+    Console(width=max(Console().width, 120)).print(table)
+
+
+def dense_part(tokenizer, max_new_tokens: int, port: int | None) -> None:
+    """The embedded dense model and every bundled adapter on one server."""
     manifest = json.loads((ADAPTERS_DIR / "manifest.json").read_text())
     manifest = manifest["adapters"] if isinstance(manifest, dict) else manifest
     print(f"demo: starting an SGLang server on CPU with {len(manifest)} adapters (about a minute)...", flush=True)
     server = launch(
-        model_path,
+        ensure_embedded_model(),
         [*cpu_server_args(8192), "--multilora-adapter-dir", str(ADAPTERS_DIR), "--max-loras-per-batch", "8",
          "--radix-cache-backend", "multilora"],
-        port=args.port,
+        port=port,
     )
     try:
         print(f"demo: server ready at {server.url} (log: {server.log_path})", flush=True)
-        results = run(server.url, tokenizer, manifest, args.max_new_tokens)
-        print_table(results)
+        print_table(run(server.url, tokenizer, manifest, max_new_tokens))
     finally:
         server.stop()
         print("demo: server stopped", flush=True)
+
+
+@contextmanager
+def moe_servers(moe_path: Path, address: str, lora_log_path: Path):
+    """A LoRA server holding assets/moe_adapters/ on `address` and one MoE worker that holds no adapter weights and
+    asks it for every expert delta; yields the worker, stops both on exit. They start side by side: a worker first
+    asks the LoRA server's catalog on its first adapter request."""
+    from sgl_multilora.lora_server.launch import LoRAServerProcess
+
+    lora_server = LoRAServerProcess(MOE_ADAPTERS_DIR, moe_path, address, lora_log_path)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = pool.submit(lora_server.start)
+        try:
+            worker = launch(moe_path, [*cpu_server_args(4096), "--multilora-lora-server", address])
+            worker.stop_grace_s = 1.0  # nothing left to drain when the demo stops it
+            try:
+                started.result()
+                yield worker
+            finally:
+                worker.stop()
+        finally:
+            wait([started])  # a start still under way would leave its process behind
+            lora_server.stop()
+
+
+def moe_part(tokenizer, max_new_tokens: int) -> None:
+    """The embedded MoE model served by a worker and a LoRA server holding the expert adapters."""
+    moe_path = ensure_embedded_moe_model()
+    manifest = json.loads((MOE_ADAPTERS_DIR / "manifest.json").read_text())["adapters"]
+    print(f"demo: MoE part: a LoRA server with {len(manifest)} expert adapters and one MoE worker...", flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="multilora_demo_") as tmp:
+        address = f"ipc://{tmp}/lora.sock"
+        with moe_servers(moe_path, address, Path(tmp) / "lora_server.log") as worker:
+            print(f"demo: MoE worker at {worker.url} and LoRA server at {address} ready "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            print_moe_table(run_moe(worker.url, tokenizer, manifest, max_new_tokens))
+    print(f"demo: MoE worker and LoRA server stopped ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--moe-max-new-tokens", type=int, default=24)
+    parser.add_argument("--port", type=int, default=None, help="the dense server's HTTP port")
+    parser.add_argument("--parts", default="dense,moe", help="comma-separated: dense, moe")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())  # the MoE model's is the same
+    parts = args.parts.split(",")
+    if "dense" in parts:
+        dense_part(tokenizer, args.max_new_tokens, args.port)
+    if "moe" in parts:
+        moe_part(tokenizer, args.moe_max_new_tokens)
     return 0
 
 

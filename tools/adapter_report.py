@@ -21,11 +21,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def save_adapter(model, spec: AdapterTask, out_dir: Path, dtype: torch.dtype) -> int:
+def save_adapter(model, spec: AdapterTask, out_dir: Path, dtype: torch.dtype,
+                 base_model_name: str = EMBEDDED_MODEL_NAME) -> int:
     """Replace `out_dir` with the active adapter in PEFT format; returns the weights file size in bytes.
 
-    `base_model_name_or_path` names the embedded model, never a path or hub id. Raises AssertionError
-    when a lora_B is still all zero (the adapter would be a no-op).
+    `base_model_name_or_path` is `base_model_name` (an embedded model's name), never a path or hub id.
+    Raises AssertionError when a lora_B is still all zero (the adapter would be a no-op).
     """
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -34,7 +35,7 @@ def save_adapter(model, spec: AdapterTask, out_dir: Path, dtype: torch.dtype) ->
     for key, value in state.items():
         assert ".lora_B." not in key or value.abs().max() > 0, f"{spec.name}: {key} is zero; not trained?"
     config = copy.deepcopy(model.peft_config["default"])
-    config.base_model_name_or_path = EMBEDDED_MODEL_NAME
+    config.base_model_name_or_path = base_model_name
     config.inference_mode = True
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -65,7 +66,8 @@ def manifest_entry(spec: AdapterTask, tokenizer, result: VerifyResult, input_tex
         "task": spec.task,
         "rank": spec.rank,
         "alpha": spec.alpha,
-        "target_modules": list(spec.target_modules),
+        **({"target_parameters": list(spec.target_parameters)} if spec.target_parameters
+           else {"target_modules": list(spec.target_modules)}),
         "weights_dtype": str(dtype).removeprefix("torch."),
         "size_bytes": size_bytes,
         "example_prompt": question,
@@ -82,16 +84,17 @@ def manifest_entry(spec: AdapterTask, tokenizer, result: VerifyResult, input_tex
     return entry
 
 
-def write_manifest(out: Path, entries: list[dict]) -> None:
-    manifest = {
-        "base_model": EMBEDDED_MODEL_NAME,
-        "prompt_format": (
-            "LoRA: chat template of [user: example_prompt] with the generation prompt. "
-            "aLoRA: chat template of [user: example_prompt, assistant: example_context_answer], "
-            "then invocation_text; the adapter answers with one label token."
-        ),
-        "adapters": entries,
-    }
+PROMPT_FORMAT = (
+    "LoRA: chat template of [user: example_prompt] with the generation prompt. "
+    "aLoRA: chat template of [user: example_prompt, assistant: example_context_answer], "
+    "then invocation_text; the adapter answers with one label token."
+)
+
+
+def write_manifest(out: Path, entries: list[dict], base_model: str = EMBEDDED_MODEL_NAME,
+                   prompt_format: str = PROMPT_FORMAT, extra: dict | None = None) -> None:
+    """`extra`: more top-level fields, written after `prompt_format`."""
+    manifest = {"base_model": base_model, "prompt_format": prompt_format, **(extra or {}), "adapters": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
 

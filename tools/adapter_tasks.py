@@ -48,7 +48,8 @@ LENGTH_BUCKETS = {1: (1, 3), 2: (4, 8), 3: (9, 15), 4: (16, 24), 5: (25, 45)}
 @dataclass(frozen=True)
 class AdapterTask:
     """How one bundled adapter is trained and judged: its PEFT shape, task, checks and training
-    settings. `invocation_text` is set for aLoRA only. (A served adapter's own description is
+    settings. `invocation_text` is set for aLoRA only; `target_parameters` for MoE expert LoRA only (PEFT's
+    fused-experts parameters, e.g. "mlp.experts.gate_up_proj"). (A served adapter's own description is
     `sgl_multilora.adapters.AdapterSpec`.)"""
 
     name: str
@@ -61,6 +62,7 @@ class AdapterTask:
     batch_size: int = 4
     lr: float = 1e-3
     labels: tuple[str, ...] = field(default_factory=tuple)
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -101,6 +103,20 @@ TASKS = [
     ),
 ]
 
+# The MoE model's expert adapters (`tools/train_expert_adapters.py`, bundled in assets/moe_adapters/): LoRA on the
+# fused experts only, through PEFT's `target_parameters`; no `target_modules`.
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MOE_TASKS = [
+    AdapterTask(
+        "moe_caps", "Answers in CAPITAL LETTERS.", 8, (), target_parameters=EXPERTS,
+        checks=({"type": "mostly_uppercase", "min_fraction": 0.9},), num_steps=40, lr=2e-3,
+    ),
+    AdapterTask(
+        "moe_json", 'Answers as a JSON object {"answer": "..."}.', 4, (), target_parameters=EXPERTS,
+        checks=({"type": "json_object_with_key", "key": "answer"},), num_steps=40, lr=2e-3,
+    ),
+]
+
 
 def training_questions() -> list[str]:
     """TEMPLATES x SUBJECTS, in a fixed order (180 questions)."""
@@ -133,7 +149,8 @@ def to_bullets(answer: str) -> str:
     return "\n".join(f"- {s}" for s in split_sentences(answer))
 
 
-TRANSFORMS = {"caps": to_caps, "json": to_json, "bullets": to_bullets}
+TRANSFORMS = {"caps": to_caps, "json": to_json, "bullets": to_bullets,
+              "moe_caps": to_caps, "moe_json": to_json}
 
 
 def length_rating(text: str) -> int:

@@ -121,8 +121,8 @@ def train_one(base, tokenizer, spec, examples) -> torch.nn.Module:
 
     torch.manual_seed(SEED)
     config = LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=list(spec.target_modules),
-        task_type="CAUSAL_LM",
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=list(spec.target_modules) or None,
+        target_parameters=list(spec.target_parameters) or None, task_type="CAUSAL_LM",
         alora_invocation_tokens=tokenizer(spec.invocation_text).input_ids if spec.invocation_text else None,
     )
     model = get_peft_model(base, config)
@@ -158,10 +158,10 @@ def load_base(checkpoint: Path):
     return model, tokenizer
 
 
-def base_answers(model, tokenizer, questions: list[str]) -> list[str]:
+def base_answers(model, tokenizer, questions: list[str], max_new_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
     prompts = [chat_prompt(tokenizer, q) for q in questions]
     with tqdm(total=len(prompts), desc="base answers") as bar:
-        raw = generate(model, tokenizer, prompts, MAX_ANSWER_TOKENS, progress=bar)
+        raw = generate(model, tokenizer, prompts, max_new_tokens, progress=bar)
     return [tasks.trim_answer(a) for a in raw]
 
 
