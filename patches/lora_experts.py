@@ -53,8 +53,8 @@ class ExpertDeltaSource:
 
 class LocalExpertDeltas(ExpertDeltaSource):
     """The deltas computed in this process from `step`'s adapters (a `LoRAStep`, refilled every step); the
-    computation runs in `result`. Only valid while `step` describes the batch being computed. Raises RuntimeError
-    for an expert-targeting adapter whose weights are elsewhere (`step.remote`: a LoRA server holds them)."""
+    computation runs in `result`. Only valid while `step` describes the batch being computed (a LoRA server's
+    worker uses `remote_deltas.RemoteExpertDeltas` instead)."""
 
     def __init__(self, step):
         self.step = step
@@ -75,9 +75,6 @@ class LocalExpertDeltas(ExpertDeltaSource):
             adapter = adapters[meta.keys[slot]]
             weights = adapter.weights.get((layer_id, expert_unit(module, expert)))
             if weights is None:  # the adapter skips this layer or parameter
-                if module in adapter.spec.target_modules and getattr(self.step, "remote", None) is not None:
-                    raise RuntimeError(f"sgl_multilora: adapter {adapter.spec.name!r} targets the experts, whose "
-                                       "LoRA a LoRA server does not compute yet (this worker holds no weights)")
                 continue
             a, b = weights
             rows = ((expert_ids == expert) & (slot_ids == slot)).nonzero().squeeze(1)

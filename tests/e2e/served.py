@@ -55,3 +55,27 @@ def wait_idle(server, timeout_s: float = 60.0) -> dict:
         if (m["running"] == 0 and m["waiting"] == 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.5)
+
+
+def chat_cases(tokenizer, names, adapter_dirs: dict, questions) -> list[tuple]:
+    """(adapter name or None, its directory or None, chat-template prompt ids) for every name and question."""
+    return [(name, adapter_dirs.get(name), tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            for name in names for q in questions]
+
+
+def assert_cases_match(oracle, tokenizer, cases, responses, max_new_tokens: int, label: str = "") -> None:
+    """Every response equals the oracle's greedy output of its case (tokens and logprobs), and every adapter of the
+    cases serves other tokens than the base model (None) on at least one prompt."""
+    from tests.oracle import assert_matches, served_from
+
+    oracle.prefetch([(path, ids, max_new_tokens) for _, path, ids in cases], ignore_eos=True)
+    served = {}
+    for (name, path, ids), response in zip(cases, responses):
+        expected = oracle.greedy(path, ids, max_new_tokens, ignore_eos=True)
+        assert_matches(response, expected, f"{label}{name or 'base'}: {tokenizer.decode(ids)[-40:]!r}")
+        served[(name, tuple(ids))] = served_from(response).tokens
+    base_prompts = [tuple(ids) for n, _, ids in cases if n is None]
+    for name in {n for n, _, _ in cases if n is not None}:
+        assert any(served[(name, ids)] != served[(None, ids)] for ids in base_prompts), (
+            f"{name} served the base model's tokens for every prompt")

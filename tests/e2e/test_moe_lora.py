@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import start_server
-from tests.e2e.served import generate
-from tests.oracle import assert_matches, served_from
+from tests.e2e.served import assert_cases_match, chat_cases, generate
 from tests.unit.test_expert_lora import ADAPTERS, make_expert_adapter
 
 pytestmark = pytest.mark.e2e
@@ -60,17 +59,7 @@ def moe_oracle(moe_model_path, tokenizer):
 
 
 def test_expert_adapters_and_base_match_peft_concurrently(server, adapter_dirs, moe_oracle, tokenizer):
-    cases = [(name, adapter_dirs.get(name), tokenizer.apply_chat_template(
-                 [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False))
-             for name in (None, *ADAPTERS) for q in QUESTIONS]
+    cases = chat_cases(tokenizer, (None, *ADAPTERS), adapter_dirs, QUESTIONS)
     with ThreadPoolExecutor(len(cases)) as pool:
         responses = list(pool.map(lambda c: generate(server, c[0], c[2], MAX_NEW_TOKENS), cases))
-    moe_oracle.prefetch([(path, ids, MAX_NEW_TOKENS) for _, path, ids in cases], ignore_eos=True)
-    served = {}
-    for (name, path, ids), response in zip(cases, responses):
-        expected = moe_oracle.greedy(path, ids, MAX_NEW_TOKENS, ignore_eos=True)
-        assert_matches(response, expected, f"{name or 'base'}: {tokenizer.decode(ids)[-40:]!r}")
-        served[(name, tuple(ids))] = served_from(response).tokens
-    for name in ADAPTERS:
-        assert any(served[(name, tuple(ids))] != served[(None, tuple(ids))] for n, _, ids in cases if n is None), (
-            f"{name} served the base model's tokens for every prompt")
+    assert_cases_match(moe_oracle, tokenizer, cases, responses, MAX_NEW_TOKENS)

@@ -16,8 +16,7 @@ import pytest
 
 from sgl_multilora.lora_server.launch import LoRAServerProcess
 from tests.conftest import REPO, start_server
-from tests.e2e.served import generate
-from tests.oracle import assert_matches, served_from
+from tests.e2e.served import assert_cases_match, chat_cases, generate
 from tests.unit.test_expert_lora import ADAPTERS, make_expert_adapter
 
 pytestmark = pytest.mark.e2e
@@ -76,21 +75,11 @@ def moe_oracle(moe_model_path, tokenizer):
 
 def test_expert_and_attention_adapters_over_two_workers_match_peft(cluster, adapter_dirs, moe_oracle, tokenizer):
     server, workers = cluster
-    cases = [(name, adapter_dirs.get(name), tokenizer.apply_chat_template(
-                 [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False))
-             for name in (None, *REMOTE_ADAPTERS) for q in QUESTIONS]
+    cases = chat_cases(tokenizer, (None, *REMOTE_ADAPTERS), adapter_dirs, QUESTIONS)
     with ThreadPoolExecutor(len(cases)) as pool:
         responses = list(pool.map(lambda ic: generate(workers[ic[0] % 2], ic[1][0], ic[1][2], MAX_NEW_TOKENS),
                                   enumerate(cases)))
-    moe_oracle.prefetch([(path, ids, MAX_NEW_TOKENS) for _, path, ids in cases], ignore_eos=True)
-    served = {}
-    for (name, path, ids), response in zip(cases, responses):
-        expected = moe_oracle.greedy(path, ids, MAX_NEW_TOKENS, ignore_eos=True)
-        assert_matches(response, expected, f"remote {name or 'base'}: {tokenizer.decode(ids)[-40:]!r}")
-        served[(name, tuple(ids))] = served_from(response).tokens
-    for name in REMOTE_ADAPTERS:
-        assert any(served[(name, tuple(ids))] != served[(None, tuple(ids))] for n, _, ids in cases if n is None), (
-            f"{name} served the base model's tokens for every prompt")
+    assert_cases_match(moe_oracle, tokenizer, cases, responses, MAX_NEW_TOKENS, "remote ")
     stats = server.stats()
     assert stats["invariants"] == "ok" and stats["errors"] == 0, stats
     assert stats["delta_calls"] > 0, stats
