@@ -5,6 +5,9 @@
 # Results: OUT/gpu_live.json (rewritten after every phase), OUT/server_*.log, OUT/gpu_live.log.
 # Dry run on a CPU (no kit needed, the venv's SGLang): GPU_LIVE_DRY_RUN=1 scripts/gpu_live.sh OUT
 # Usage: scripts/gpu_live.sh OUT [KIT]   (KIT defaults to .gpu_kit)
+# A device call carries at most 64 MiB with the kit; set the bundled adapters and result records aside for it:
+#   scripts/gpu_kit.sh .gpu_kit && scripts/gpu_tree.sh out   # then, with the device tool:
+#   run(command="scripts/gpu_live.sh $OUT .gpu_kit", carry=[".gpu_kit"], timeout_s=600); then scripts/gpu_tree.sh in
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_live.sh OUT [KIT]}
