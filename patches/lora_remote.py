@@ -99,7 +99,7 @@ def catalog_entry(name: str) -> dict:
     from sgl_multilora.lora_server.client import LoRAServerUnavailable
 
     try:
-        entry = client().catalog()["adapters"].get(name)
+        entry = client().catalog([name])["adapters"].get(name)
     except LoRAServerUnavailable as e:
         raise _unavailable(e) from None
     if entry is None:

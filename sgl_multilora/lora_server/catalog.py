@@ -141,5 +141,9 @@ class Catalog:
             raise AdapterError(f"LoRA adapter '{name}' is not loaded")
         del self.adapters[name]
 
-    def info(self) -> dict:
-        return {name: a.info() for name, a in sorted(self.adapters.items())}
+    def info(self, names: list[str] | None = None) -> dict:
+        """`hello`'s adapters: every one held, or only those of `names` that are held (a worker resolving one name
+        asks for it alone, so the reply does not grow with the catalog)."""
+        if names is None:
+            return {name: a.info() for name, a in sorted(self.adapters.items())}
+        return {name: self.adapters[name].info() for name in dict.fromkeys(names) if name in self.adapters}

@@ -81,10 +81,11 @@ class LoRAServerClient:
 
     # ---- calls -----------------------------------------------------------------------------------
 
-    def catalog(self) -> dict:
+    def catalog(self, names: list[str] | None = None) -> dict:
         """The `hello` reply: {"adapters": {name: {identity, rank, alpha, scaling, modules, experts, is_alora,
-        invocation_tokens, bytes}}, "groups", "num_layers", "num_experts", "max_slots"}."""
-        return self._call("hello")
+        invocation_tokens, bytes}}, "groups", "num_layers", "num_experts", "max_slots"}. With `names`, "adapters"
+        holds only those of them the server holds (an unknown name is absent, not an error)."""
+        return self._call("hello", names=list(names)) if names is not None else self._call("hello")
 
     def submit_delta(self, layer_id: int, group: str, x: torch.Tensor, adapter_index: torch.Tensor,
                      adapter_names: list[str], expert_ids: torch.Tensor | None = None,

@@ -10,7 +10,7 @@ Message layout (a client is a DEALER, the server a ROUTER that prepends the clie
     frame_i  = the raw bytes of one C-contiguous tensor; its dtype and shape are in the header
 
     op        request header (+ frames)                              reply header (+ frames)
-    hello     {}                                                     {"adapters": {name: info}, "groups": {...},
+    hello     {} or {"names": [..]} (only those adapters)            {"adapters": {name: info}, "groups": {...},
                                                                       "num_layers", "num_experts", "max_slots"}
     delta     {"layer": int, "group": str, "adapters": [names],      {"rows", "out", "dtype"}
                "rows": n, "in": h, "dtype": "float32"|"bfloat16"|   + delta (n, out) in the request's dtype;

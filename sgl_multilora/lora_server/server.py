@@ -157,7 +157,10 @@ class LoRAServer:
         groups = {g: {"modules": list(m), "offsets": list(group_offsets(model, g)),
                       "in": model.module_dims(m[0]).in_features}
                   for g, m in GROUPS.items() if all(x in model.shape.modules or x in model.expert_dims for x in m)}
-        return [reply_header(header, adapters=self.catalog.info(), groups=groups, num_layers=model.shape.num_layers,
+        names = header.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ProtocolError("hello: 'names' must be a list of adapter names")
+        return [reply_header(header, adapters=self.catalog.info(names), groups=groups, num_layers=model.shape.num_layers,
                              num_experts=model.num_experts, max_slots=self.pool.max_slots)]
 
     def _op_delta(self, header: dict, frames: list) -> list:

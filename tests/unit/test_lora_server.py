@@ -119,6 +119,9 @@ def test_hello_lists_the_catalog(served, setup):
     assert (b["rank"], b["scaling"], b["is_alora"]) == (16, 8 / 16 ** 0.5, False)
     assert b["modules"]["0"] == ["down_proj", "gate_proj", "q_proj", "v_proj"]
     assert cat["groups"]["qkv"]["offsets"] == [0, 32, 48, 64] and cat["num_layers"] == 2
+    one = client.catalog(["b", "zzz", "b"])  # a worker resolving a name asks for it alone; unknown names are absent
+    assert one["adapters"] == {"b": b} and one["groups"] == cat["groups"]
+    assert client.catalog([])["adapters"] == {}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,6 +192,7 @@ def test_malformed_requests_get_error_replies_and_the_server_keeps_serving(serve
     old = ask(orjson.dumps({"v": 99, "op": "hello", "id": 7}))
     assert (old["code"], old["id"], old["ok"]) == ("version", 7, False)
     assert ask(orjson.dumps({"v": VERSION, "op": "nope", "id": 8}))["code"] == "unknown_op"
+    assert ask(orjson.dumps({"v": VERSION, "op": "hello", "id": 9, "names": "a"}))["code"] == "bad_request"
     x = torch.zeros(2, 32)
     head = {"v": VERSION, "op": "delta", "id": 9, "layer": 0, "group": "qkv", "adapters": ["zzz"], "rows": 2,
             "in": 32, "dtype": "float32", "experts": False}
@@ -204,7 +208,7 @@ def test_malformed_requests_get_error_replies_and_the_server_keeps_serving(serve
         client.submit_delta(0, "qkv", x, torch.zeros(2, dtype=torch.int32), ["nope"]).result()
     ok = client.submit_delta(0, "o", x + 1, torch.zeros(2, dtype=torch.int32), ["a"]).result()
     torch.testing.assert_close(ok, expected_delta(oracle, "a", 0, "o", x + 1), atol=1e-5, rtol=1e-5)
-    assert client.stats()["errors"] == 8
+    assert client.stats()["errors"] == 9
 
 
 @pytest.mark.parametrize("served", [2], indirect=True)
