@@ -14,13 +14,17 @@ in-process worker alike. The remote worker's counters (`/multilora/stats` "lora_
 forward waited on replies after its own base GEMMs: the part of the round trip that did not hide. The process trees'
 RSS after the run says what the adapters cost each worker.
 
+With `--memory-counts 0,8,16,32`, it measures instead each worker's RSS as adapters are added (`memory_curve`).
+
 Usage: .venv/bin/python -m eval.bench.remote_lora [--models dense,moe] [--repeats 3] [--adapters 1,4,8]
-       [--out eval/results/remote_lora/remote_lora.jsonl]
+       [--out eval/results/remote_lora/remote_lora.jsonl] [--memory-counts 0,8,16,32]
+The .jsonl keeps the latest step run and the latest memory run; the .md beside it reports both.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from eval.bench.results import run_record, save
+from eval.bench.results import run_record
 from eval.bench.soak import process_tree_rss
 from sgl_multilora.lora_server.launch import LoRAServerProcess
 from sgl_multilora.server import cpu_server_args, launch
@@ -142,6 +146,66 @@ def run_model(kind: str, model_path: str, repeats: int, counts: list[int], log_d
         lora_srv.stop()
 
 
+def memory_curve(kind: str, model_path: str, counts: list[int], log_dir: Path) -> list[dict]:
+    """Worker RSS as adapters are added: one remote worker (its LoRA server holding all max(counts) adapters) and one
+    in-process worker that loads each adapter on its first request (`--multilora-adapter-source`, no host budget).
+    After each count k, every adapter below k has served one request on both workers; rows hold the process trees'
+    RSS then (the LoRA server's too)."""
+    adapter_dir = make_adapters(model_path, kind, max(counts))
+    names = sorted(p.name for p in adapter_dir.iterdir() if (p / "adapter_config.json").exists())[:max(counts)]
+    address = f"ipc://{log_dir}/remote_memory_{kind}.sock"
+    lora_srv = LoRAServerProcess(adapter_dir, model_path, address, log_dir / f"remote_memory_{kind}_srv.log",
+                                 ["--max-slots", "8"]).start()
+    common = [*cpu_server_args(max_total_tokens=4096), "--max-loras-per-batch", "8"]
+    servers = {}
+    try:
+        servers["inproc"] = launch(model_path, [*common, "--multilora-adapter-source", str(adapter_dir),
+                                                "--max-lora-rank", "32", "--lora-target-modules", "all"],
+                                   log_path=log_dir / f"remote_memory_{kind}_inproc.log")
+        servers["remote"] = launch(model_path, [*common, "--multilora-lora-server", address],
+                                   log_path=log_dir / f"remote_memory_{kind}_remote.log")
+        for server in servers.values():  # the base path warmed alike before the first reading
+            batch_seconds(server.url, [None], 2, 0)
+        rows, done = [], 0
+        for k in sorted(counts):
+            for name in names[done:k]:
+                for server in servers.values():
+                    batch_seconds(server.url, [name], 2, 0)
+            done = k
+            time.sleep(1.0)
+            rss = {arm: process_tree_rss(s.process.pid)[0] for arm, s in servers.items()}
+            rss["lora_server"] = process_tree_rss(lora_srv.process.pid)[0]
+            files = sum((adapter_dir / n / "adapter_model.safetensors").stat().st_size for n in names[:k])
+            rows.append({"model": kind, "adapters": k, "rss_bytes": rss, "adapter_bytes": files})
+            print(f"{kind} {k} adapters: " + ", ".join(f"{a} {b / 1e9:.2f} GB" for a, b in rss.items()), flush=True)
+        return rows
+    finally:
+        for server in servers.values():
+            server.stop()
+        lora_srv.stop()
+
+
+def memory_report(record: dict) -> str:
+    lines = ["## Worker memory as adapters are added", "",
+             f"{record['date']}, {record['device']['cpu_count']} CPUs. After k adapters have each served one request "
+             "on both workers: the process tree's RSS of the in-process worker (adapters loaded on first request, "
+             "no host budget), of the remote worker (`--multilora-lora-server`) and of the LoRA server (holding every "
+             "adapter from its start). Growth is against k = 0.", "",
+             "| model | adapters | adapters' files MB | in-process GB (growth) | remote GB (growth) | LoRA server GB |",
+             "|---|---:|---:|---|---|---:|"]
+    rows = record["rows"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["adapters"])
+        zero = mine[0]["rss_bytes"]
+        for r in mine:
+            g = {a: (r["rss_bytes"][a] - zero[a]) / 1e9 for a in ("inproc", "remote")}
+            lines.append(f"| {model} | {r['adapters']} | {r['adapter_bytes'] / 1e6:.0f} | "
+                         f"{r['rss_bytes']['inproc'] / 1e9:.2f} ({g['inproc']:+.2f}) | "
+                         f"{r['rss_bytes']['remote'] / 1e9:.2f} ({g['remote']:+.2f}) | "
+                         f"{r['rss_bytes']['lora_server'] / 1e9:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(record: dict) -> str:
     lines = ["# Remote LoRA against in-process LoRA, per decode step", "",
              f"{record['date']}, {record['device']['cpu_count']} CPUs, load {record['device']['load_avg_start']} at "
@@ -187,6 +251,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapters", default="1,4,8")
     parser.add_argument("--out", type=Path, default=REPO / "eval/results/remote_lora/remote_lora.jsonl")
+    parser.add_argument("--memory-counts", default="",
+                        help="instead of step times: worker RSS after this many adapters served (e.g. 0,8,16,32); "
+                             "kept in --out beside the latest step run")
     args = parser.parse_args()
     from sgl_multilora.embedded import ensure_embedded_model
     from sgl_multilora.embedded_moe import ensure_embedded_moe_model
@@ -197,11 +264,33 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     load = list(os.getloadavg())
     rows = []
+    if args.memory_counts:
+        mem_counts = [int(k) for k in args.memory_counts.split(",")]
+        for kind in args.models.split(","):
+            rows += memory_curve(kind, paths[kind], mem_counts, log_dir)
+        save_latest(args.out, run_record({"kind": "memory", "counts": mem_counts}, rows, load))
+        return
     for kind in args.models.split(","):
         rows += run_model(kind, paths[kind], args.repeats, counts, log_dir)
-    setup = {"repeats": args.repeats, "adapters": counts, "batch": BATCH, "short": SHORT, "long": LONG,
-             "ranks": RANKS[:max(counts)], "server": cpu_server_args(4096)}
-    save(args.out, run_record(setup, rows, load), report)
+    setup = {"kind": "step", "repeats": args.repeats, "adapters": counts, "batch": BATCH, "short": SHORT,
+             "long": LONG, "ranks": RANKS[:max(counts)], "server": cpu_server_args(4096)}
+    save_latest(args.out, run_record(setup, rows, load))
+
+
+def save_latest(out: Path, record: dict) -> None:
+    """Keeps one record per kind in `out` (the step run and the memory run; earlier runs live in git), the new one
+    replacing its kind's, and writes both reports to the .md beside it."""
+    kinds = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            old = json.loads(line)
+            kinds[old["setup"].get("kind", "step")] = old
+    kinds[record["setup"]["kind"]] = record
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(kinds[k]) + "\n" for k in ("step", "memory") if k in kinds))
+    text = "\n".join(f(kinds[k]) for k, f in (("step", report), ("memory", memory_report)) if k in kinds)
+    print(text)
+    out.with_suffix(".md").write_text(text)
 
 
 if __name__ == "__main__":
