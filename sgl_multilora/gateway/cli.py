@@ -1,6 +1,7 @@
 """The command line of `python -m sgl_multilora.cluster --workers N --router-port P --policy POLICY [-- <launch_server
 args>]`: N plugin workers on ports P+1..P+N behind SGLang's router `smg` on port P, until Ctrl-C or SIGTERM; with
-`--lora-server-adapter-dir DIR`, one LoRA server beside them that holds the adapters and computes their deltas.
+`--lora-server-adapter-dir DIR`, one LoRA server beside them that holds the adapters and computes their deltas, its
+slots given or sized by InfiniLoRA's planner (`--lora-server-slots`, `sgl_multilora/planner.py`).
 
 Lives here: argument checks and the run loop (restarting a worker that exits). Not here: starting and stopping the
 processes (launch.py). `sgl_multilora/cluster/__main__.py` only calls `main`, so the command keeps the name users
@@ -49,6 +50,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--lora-server-arg", action="append", default=[], metavar="ARG",
                         help="an extra argument of the LoRA server (repeat, e.g. --lora-server-arg=--max-slots "
                              "--lora-server-arg=16)")
+    parser.add_argument("--lora-server-slots", default=None, metavar="N|zipf:S|trace:FILE",
+                        help="the LoRA server's adapter slots: N, or sized by InfiniLoRA's planner (the fewest "
+                             "cached adapters whose immediate-admissibility rate reaches --lora-server-alpha) for "
+                             "Zipf(S) popularity over the adapters in --lora-server-adapter-dir or for the adapters "
+                             "of a request trace; the global batch is --workers x the workers' --max-running-requests")
+    parser.add_argument("--lora-server-alpha", type=float, default=0.95,
+                        help="with a planned --lora-server-slots: the share of requests whose adapter must be "
+                             "admissible at once (default: 0.95)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a worker may take to start")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="times a worker that exits is started again before the cluster stops (default: 3; "
@@ -66,7 +75,51 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.lora_server_adapter_dir is not None and "--multilora-lora-server" in worker_args:
         parser.error("--lora-server-adapter-dir starts a LoRA server and points the workers at it; leave "
                      "--multilora-lora-server out of the worker flags")
+    args.planned = None
+    if args.lora_server_slots is not None:
+        if args.lora_server_adapter_dir is None:
+            parser.error("--lora-server-slots sizes the LoRA server of --lora-server-adapter-dir; pass that too")
+        if "--max-slots" in args.lora_server_arg:
+            parser.error("--lora-server-slots sets the LoRA server's --max-slots; leave it out of --lora-server-arg")
+        try:
+            args.planned = plan_slots(args.lora_server_slots, args.lora_server_adapter_dir, args.workers,
+                                      worker_args, args.lora_server_alpha)
+        except ValueError as e:
+            parser.error(f"--lora-server-slots {args.lora_server_slots!r}: {e}")
     return args, worker_args
+
+
+def plan_slots(spec: str, adapter_dir: str, workers: int, worker_args: list[str], alpha: float) -> dict:
+    """The LoRA server's slot count for `spec` ("N", "zipf:S" or "trace:FILE"; see --lora-server-slots) as
+    {"slots", and for a planned count "iar", "tau", "global_batch", "adapters", "tau_convention"}. Raises ValueError
+    naming what is missing or malformed."""
+    if spec.isdigit():
+        if int(spec) < 1:
+            raise ValueError("needs at least 1 slot")
+        return {"slots": int(spec)}
+    from sgl_multilora import planner
+
+    kind, _, value = spec.partition(":")
+    if "--max-running-requests" not in worker_args:
+        raise ValueError("a planned size needs the workers' --max-running-requests (the planner's batch B) after `--`")
+    batch = int(worker_args[worker_args.index("--max-running-requests") + 1])
+    if kind == "zipf":
+        try:
+            s = float(value)
+        except ValueError:
+            raise ValueError("expected zipf:S, e.g. zipf:1.2") from None
+        names = [d for d in os.listdir(adapter_dir)
+                 if os.path.isfile(os.path.join(adapter_dir, d, "adapter_config.json"))]
+        if not names:
+            raise ValueError(f"{adapter_dir} holds no adapter (no */adapter_config.json)")
+        p = planner.zipf_popularity(len(names), s)
+    elif kind == "trace":
+        p, _names = planner.trace_popularity(value)
+    else:
+        raise ValueError("expected N, zipf:S or trace:FILE")
+    r = planner.min_cached_adapters(p, batch * workers, alpha)
+    return {"slots": r.min_cached_adapters, "iar": r.iar, "tau": r.tau, "global_batch": r.global_batch,
+            "adapters": r.num_adapters, "tau_convention": r.tau_convention}
 
 
 def start_lora_server(args: argparse.Namespace, worker_args: list[str], log_dir: str):
@@ -74,7 +127,13 @@ def start_lora_server(args: argparse.Namespace, worker_args: list[str], log_dir:
     model_path = worker_args[worker_args.index("--model-path") + 1]
     address = f"ipc://{os.path.abspath(log_dir)}/lora_server.sock"
     return LoRAServerProcess(args.lora_server_adapter_dir, model_path, address,
-                             os.path.join(log_dir, "lora_server.log"), args.lora_server_arg).start()
+                             os.path.join(log_dir, "lora_server.log"), lora_server_args(args)).start()
+
+
+def lora_server_args(args: argparse.Namespace) -> list[str]:
+    """The LoRA server's extra arguments: --lora-server-arg, and --max-slots from --lora-server-slots."""
+    planned = args.planned
+    return [*args.lora_server_arg, *(["--max-slots", str(planned["slots"])] if planned else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.lora_server_adapter_dir is not None:
             log_dir = log_dir or tempfile.mkdtemp(prefix="sgl_multilora_cluster_")
             os.makedirs(log_dir, exist_ok=True)
+            planned = args.planned
+            if planned and "iar" in planned:
+                print(f"LoRA server slots: {planned['slots']} of {planned['adapters']} adapters, planned for a "
+                      f"global batch of {planned['global_batch']:g} (IAR {planned['iar']:.3f} >= alpha "
+                      f"{args.lora_server_alpha}; tau {planned['tau']}, {planned['tau_convention']})", flush=True)
             print(f"starting the LoRA server on {args.lora_server_adapter_dir} ...", flush=True)
             lora_server = start_lora_server(args, worker_args, log_dir)
             print(f"lora server  {lora_server.address}  (log {lora_server.log_path})", flush=True)
