@@ -85,6 +85,7 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
         k0 = kvcache.k_buffer[0]
         slot_bytes = 2 * len(kvcache.k_buffer) * k0[0].numel() * k0.element_size()
         self.pool = UnifiedPool(size, slot_bytes)
+        self._on_cpu = torch.device(device).type == "cpu"  # indices built on the host need no copy
         super().__init__(size, dtype, device, kvcache, need_sort)
 
     # ---- SGLang's allocator API ---------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
 
     def to_indices(self, slots: SlotRuns) -> torch.Tensor:
         """The KV indices (slot + 1) of `slots`, in the order handed out."""
-        return torch.from_numpy(slots.array() + 1).to(self.device)
+        indices = torch.from_numpy(slots.array() + 1)
+        return indices if self._on_cpu else indices.to(self.device)
 
     def mark_cached(self, indices) -> None:
         """KV rows a request computed that the tree now owns (KV indices: an int64 tensor or a list)."""
@@ -145,6 +147,15 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
     def free_cached(self, indices) -> None:
         """An evicted run of the tree (KV indices: an int64 tensor, the run's `value_cache`, or a list)."""
         self.pool.release("kv_cached", _slot_ids(indices))
+
+    def free_cached_many(self, runs: list) -> None:
+        """Evicted runs of the tree, each as `free_cached` takes it, given back in one release."""
+        if len(runs) == 1:
+            self.free_cached(runs[0])
+        elif all(isinstance(r, torch.Tensor) for r in runs):
+            self.free_cached(torch.cat(runs))
+        else:
+            self.free_cached([i for r in runs for i in (r.tolist() if isinstance(r, torch.Tensor) else r)])
 
 
 def _slot_ids(indices) -> np.ndarray:
@@ -176,7 +187,8 @@ class LiveMemory:
         tree.score = self.policy
         self.swapper = Swapper(tree, self.pool, self.residency, self.policy, self,
                                idle_watermark=args.idle_watermark, swap_interval_s=flags.SWAP_INTERVAL_MS / 1000,
-                               free_kv=allocator.free_cached, value_offset=1)
+                               free_kv=allocator.free_cached, free_kv_many=allocator.free_cached_many,
+                               value_offset=1)
         self.req_to_token_pool = req_to_token_pool
         self._after_stream = None  # see allow_kv_moves
         self.swapper.value_form = self._values_tensor
@@ -233,6 +245,8 @@ class LiveMemory:
             self._remove_pending()
 
     def _remove_pending(self) -> None:
+        if not self._pending_removal:
+            return
         for identity in list(self._pending_removal):
             nodes = self.swapper.adapter_nodes(identity)
             if self.residency.num_running(identity) or any(n.lock_ref for n in nodes):
