@@ -207,6 +207,7 @@ class LiveMemory:
         self._kept_keys: dict[str, tuple] = {}  # rid -> (request, (output tokens, adapter spec), its waiting key)
         self._running_counts: dict[str, int] | None = None  # the last counts set_running gave the residency,
         self._running_version = -1  # and the residency's version right after
+        self._running_key: tuple | None = None  # what those counts were read from (see set_running)
         self.swapper.wanted = lambda: self._wanted
         self.waiting_key = waiting_key
 
@@ -397,8 +398,14 @@ class LiveMemory:
 
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
-        non-resident adapter is not counted)."""
-        identity, resident = process_state().adapters.identity, self.residency.is_resident
+        non-resident adapter is not counted). Nothing to do, and nothing is read, when the requests are the same
+        objects in the same order as at the last call, and neither the registry nor the residency changed since
+        the counts were set (the scheduler's decode steps, where nothing finished or joined)."""
+        registry, res = process_state().adapters, self.residency
+        reqs = tuple(reqs)
+        if self._running_key == (reqs, registry, registry.version, res.version):
+            return
+        identity, resident = registry.identity, res.is_resident
         counts: dict[str, int] = {}
         for r in reqs:
             if r.lora_id is not None:
@@ -406,11 +413,10 @@ class LiveMemory:
                 counts[i] = counts.get(i, 0) + 1
         for i in [i for i in counts if i is None or not resident(i)]:
             del counts[i]
-        res = self.residency
-        if counts == self._running_counts and res.version == self._running_version:
-            return  # the counts it holds are these: nothing changed since they were set
-        res.set_running(counts)
-        self._running_counts, self._running_version = counts, res.version
+        if counts != self._running_counts or res.version != self._running_version:
+            res.set_running(counts)  # else the counts it holds are these: nothing changed since they were set
+            self._running_counts, self._running_version = counts, res.version
+        self._running_key = (reqs, registry, registry.version, res.version)
 
     def set_wanted(self, waiting_reqs) -> None:
         """The adapters waiting requests name, and the first WANTED_KV_SCAN requests' cached prefixes (read at each
