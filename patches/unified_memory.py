@@ -85,6 +85,7 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
         k0 = kvcache.k_buffer[0]
         slot_bytes = 2 * len(kvcache.k_buffer) * k0[0].numel() * k0.element_size()
         self.pool = UnifiedPool(size, slot_bytes)
+        self._on_cpu = torch.device(device).type == "cpu"  # indices built on the host need no copy
         super().__init__(size, dtype, device, kvcache, need_sort)
 
     # ---- SGLang's allocator API ---------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
 
     def to_indices(self, slots: SlotRuns) -> torch.Tensor:
         """The KV indices (slot + 1) of `slots`, in the order handed out."""
-        return torch.from_numpy(slots.array() + 1).to(self.device)
+        indices = torch.from_numpy(slots.array() + 1)
+        return indices if self._on_cpu else indices.to(self.device)
 
     def mark_cached(self, indices) -> None:
         """KV rows a request computed that the tree now owns (KV indices: an int64 tensor or a list)."""
@@ -145,6 +147,15 @@ class UnifiedTokenAllocator(TokenToKVPoolAllocator):
     def free_cached(self, indices) -> None:
         """An evicted run of the tree (KV indices: an int64 tensor, the run's `value_cache`, or a list)."""
         self.pool.release("kv_cached", _slot_ids(indices))
+
+    def free_cached_many(self, runs: list) -> None:
+        """Evicted runs of the tree, each as `free_cached` takes it, given back in one release."""
+        if len(runs) == 1:
+            self.free_cached(runs[0])
+        elif all(isinstance(r, torch.Tensor) for r in runs):
+            self.free_cached(torch.cat(runs))
+        else:
+            self.free_cached([i for r in runs for i in (r.tolist() if isinstance(r, torch.Tensor) else r)])
 
 
 def _slot_ids(indices) -> np.ndarray:
@@ -176,7 +187,8 @@ class LiveMemory:
         tree.score = self.policy
         self.swapper = Swapper(tree, self.pool, self.residency, self.policy, self,
                                idle_watermark=args.idle_watermark, swap_interval_s=flags.SWAP_INTERVAL_MS / 1000,
-                               free_kv=allocator.free_cached, value_offset=1)
+                               free_kv=allocator.free_cached, free_kv_many=allocator.free_cached_many,
+                               value_offset=1)
         self.req_to_token_pool = req_to_token_pool
         self._after_stream = None  # see allow_kv_moves
         self.swapper.value_form = self._values_tensor
@@ -195,6 +207,7 @@ class LiveMemory:
         self._kept_keys: dict[str, tuple] = {}  # rid -> (request, (output tokens, adapter spec), its waiting key)
         self._running_counts: dict[str, int] | None = None  # the last counts set_running gave the residency,
         self._running_version = -1  # and the residency's version right after
+        self._running_key: tuple | None = None  # what those counts were read from (see set_running)
         self.swapper.wanted = lambda: self._wanted
         self.waiting_key = waiting_key
 
@@ -233,6 +246,8 @@ class LiveMemory:
             self._remove_pending()
 
     def _remove_pending(self) -> None:
+        if not self._pending_removal:
+            return
         for identity in list(self._pending_removal):
             nodes = self.swapper.adapter_nodes(identity)
             if self.residency.num_running(identity) or any(n.lock_ref for n in nodes):
@@ -383,8 +398,14 @@ class LiveMemory:
 
     def set_running(self, reqs) -> None:
         """Running-request counts per adapter from the scheduler's batches (a request with an unknown or
-        non-resident adapter is not counted)."""
-        identity, resident = process_state().adapters.identity, self.residency.is_resident
+        non-resident adapter is not counted). Nothing to do, and nothing is read, when the requests are the same
+        objects in the same order as at the last call, and neither the registry nor the residency changed since
+        the counts were set (the scheduler's decode steps, where nothing finished or joined)."""
+        registry, res = process_state().adapters, self.residency
+        reqs = tuple(reqs)
+        if self._running_key == (reqs, registry, registry.version, res.version):
+            return
+        identity, resident = registry.identity, res.is_resident
         counts: dict[str, int] = {}
         for r in reqs:
             if r.lora_id is not None:
@@ -392,11 +413,10 @@ class LiveMemory:
                 counts[i] = counts.get(i, 0) + 1
         for i in [i for i in counts if i is None or not resident(i)]:
             del counts[i]
-        res = self.residency
-        if counts == self._running_counts and res.version == self._running_version:
-            return  # the counts it holds are these: nothing changed since they were set
-        res.set_running(counts)
-        self._running_counts, self._running_version = counts, res.version
+        if counts != self._running_counts or res.version != self._running_version:
+            res.set_running(counts)  # else the counts it holds are these: nothing changed since they were set
+            self._running_counts, self._running_version = counts, res.version
+        self._running_key = (reqs, registry, registry.version, res.version)
 
     def set_wanted(self, waiting_reqs) -> None:
         """The adapters waiting requests name, and the first WANTED_KV_SCAN requests' cached prefixes (read at each

@@ -19,10 +19,12 @@ class AdapterRegistry:
 
     An id is registered by `add` once its weights were validated and the engine accepted it, and forgotten by
     `remove` when the engine unloads it. Specs are immutable; a reloaded adapter gets a new spec (and, if its
-    weights changed, a new identity).
+    weights changed, a new identity). `version` changes whenever an id's spec may have (every `add` and `remove`),
+    so a reader can keep what it derived from `spec` / `identity` until it moves.
     """
 
     def __init__(self) -> None:
+        self.version = 0
         self._specs: dict[str, AdapterSpec] = {}
         self._loaded: dict[str, LoadedAdapter] = {}
         self._loaded_view = MappingProxyType(self._loaded)
@@ -69,10 +71,12 @@ class AdapterRegistry:
 
     def add(self, adapter_id: str, spec: AdapterSpec) -> None:
         self._specs[adapter_id] = spec
+        self.version += 1
 
     def remove(self, adapter_id: str) -> None:
         """Forgets `adapter_id` (its spec and weights); a no-op for an unknown id."""
         self._specs.pop(adapter_id, None)
+        self.version += 1
         self._loaded.pop(adapter_id, None)
 
     # ---- request validation (HTTP process) ---------------------------------------------------------------------

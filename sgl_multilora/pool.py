@@ -138,11 +138,17 @@ def _checked_ids(ids: np.ndarray, *, sort: bool = False) -> np.ndarray:
     """`ids` (sorted when `sort`), after checking that no id appears twice; ValueError names one that does."""
     if len(ids) < 2 or (ids[1:] > ids[:-1]).all():
         return ids
+    ordered = _sorted_distinct(ids)
+    return ordered if sort else ids
+
+
+def _sorted_distinct(ids: np.ndarray) -> np.ndarray:
+    """`ids` sorted (a fresh array), after checking that no id appears twice; ValueError names one that does."""
     ordered = np.sort(ids)
     same = np.flatnonzero(ordered[1:] == ordered[:-1])
     if len(same):
         raise ValueError(f"slot id {int(ordered[same[0]])} given twice")
-    return ordered if sort else ids
+    return ordered
 
 
 def _free_runs(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,8 +216,12 @@ class UnifiedPool:
         return int(lens.max()) if len(lens) else 0
 
     def kind_mask(self, kinds: Iterable[str]) -> np.ndarray:
-        """A fresh bool array over slot ids: True where the slot is of one of `kinds` (ids tracked only)."""
-        return np.isin(self._kind, [_CODE[kind] for kind in kinds])
+        """A fresh bool array over slot ids: True where the slot is of one of `kinds` (ids tracked only).
+        One comparison per kind (`np.isin` sorts, and was most of a `Swapper.run_reachable` call)."""
+        mask = np.zeros(len(self._kind), dtype=bool)
+        for kind in kinds:
+            mask |= self._kind == _CODE[kind]
+        return mask
 
     def free_ids(self) -> np.ndarray:
         """Every free id, ascending (a fresh array)."""
@@ -359,7 +369,7 @@ class UnifiedPool:
             lo, hi = int(ids[0]), int(ids[-1])
             where = slice(lo, hi + 1) if hi - lo == n - 1 else ids  # one run: indexed without a gather
         else:
-            ordered = _checked_ids(ids, sort=True)  # raises on a repeated id
+            ordered = _sorted_distinct(ids)  # not ascending (just checked): raises on a repeated id
             lo, hi, where = int(ordered[0]), int(ordered[-1]), ids
         assert 0 <= lo and hi < self.num_slots, f"slot ids outside [0, {self.num_slots})"
         wrong = self._kind[where] != _CODE[kind]

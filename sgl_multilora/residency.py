@@ -166,6 +166,8 @@ class AdapterResidency:
 
     def complete_loads(self, loader: Loader) -> list[str]:
         """Finishes every load `loader` reports done, in the order they started; returns their ids."""
+        if not self._loading:
+            return []
         done = [a for a in self._loading if loader.is_done(a)]
         for adapter_id in done:
             self.finish_load(adapter_id)

@@ -93,7 +93,10 @@ class Swapper:
     """Applies a policy's order to the tree's KV leaves and the resident adapters of one pool.
 
     `residency.usage` must be set: adapters are scored by their `AdapterRecord`. `free_kv(values)` gives an
-    evicted KV run's slots back (default: `pool.release("kv_cached", values)`); `on_evict_kv(node)` runs just
+    evicted KV run's slots back (default: `pool.release("kv_cached", values)`); `free_kv_many(runs)`, when set,
+    gives back the runs one `make_room` without a `run` evicted, in one call after its last eviction (`runs`:
+    what `free_kv` would have got, in eviction order; for an owner whose per-call cost dominates: the pool ends
+    holding the same free slots as with `free_kv` per run); `on_evict_kv(node)` runs just
     before a KV leaf is evicted (a host tier copies it out); `kv_prefetch(slots)` copies host KV back into at
     most `slots` free slots, never evicting, and returns the slots it used. The clock is the tree's. The tree's
     values are slot ids plus `value_offset` (SGLang's KV index is slot + 1). `move_kv(sources, targets)`, set by
@@ -106,7 +109,7 @@ class Swapper:
                  policy: BasePolicy, loader: Loader, *, dependency: bool = True, prefetch: bool = True,
                  headroom_frac: float = 0.01, idle_watermark: float = 0.7, swap_interval_s: float = 0.1,
                  free_kv: FreeFn | None = None, on_evict_kv: Callable[[Node], object] | None = None,
-                 value_offset: int = 0) -> None:
+                 value_offset: int = 0, free_kv_many: Callable[[list], object] | None = None) -> None:
         if residency.usage is None:
             raise ValueError("the swapper scores adapters by their usage records: give the residency a usage")
         if not 0.0 <= idle_watermark <= 1.0 or headroom_frac < 0 or swap_interval_s <= 0:
@@ -120,6 +123,7 @@ class Swapper:
         self.idle_watermark = idle_watermark
         self.swap_interval_s = swap_interval_s
         self.free_kv = free_kv if free_kv is not None else self._release_kv
+        self.free_kv_many = free_kv_many
         self.on_evict_kv = on_evict_kv
         self.value_offset = value_offset
         self.move_kv: Callable[[np.ndarray, np.ndarray], object] | None = None
@@ -167,33 +171,44 @@ class Swapper:
         wanted = self.wanted() if self.wanted is not None else ()
         wanted_kv = self._wanted_kv_nodes()  # id -> node: `in` asks by id
         order = self._order(protect, now, wanted, wanted_kv)
-        while pool.num_free < target or (run and pool.largest_free_run() < run):
-            item = order.pop()
-            if item is None:
-                break
-            if isinstance(item, str):
-                if self._adapter_evictable(item, protect):
-                    self._evict_adapter(item)
-                    order = self._order(protect, now, wanted, wanted_kv)  # N changed: ELORA rescores (A10)
-                continue
-            if item.is_evicted or item.children or item.lock_ref:
-                continue
-            parent, dep = item.parent, item.depends_on
-            if self.on_evict_kv is not None:
-                self.on_evict_kv(item)
-            c = self.counters
-            age_bucket = bisect_right(EVICTION_AGE_BOUNDS_S, now - item.last_access)
-            slots = self.tree.evict_leaf(item, self.free_kv)
-            c.kv_evicted_slots += slots
-            c.kv_evicted_slots_by_age[age_bucket] += slots
-            c.kv_evictions += 1
-            if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
-                order.push((int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))
-            for adapter in (parent, dep):
-                if adapter is not None and adapter.kind is _ADAPTER:
-                    name = adapter.label.identity
-                    if self._adapter_evictable(name, protect):
-                        order.push((int(name in wanted), score(self.records[name], now), 1, name, name))
+        # Without `run` the evicted runs may go back in one `free_kv_many` call at the end: until then `held`
+        # counts their slots as free (nothing in the loop reads which slots are free, only how many).
+        batch = [] if self.free_kv_many is not None and not run else None
+        free_kv = self.free_kv if batch is None else batch.append
+        held = 0
+        try:
+            while pool.num_free + held < target or (run and pool.largest_free_run() < run):
+                item = order.pop()
+                if item is None:
+                    break
+                if isinstance(item, str):
+                    if self._adapter_evictable(item, protect):
+                        self._evict_adapter(item)
+                        order = self._order(protect, now, wanted, wanted_kv)  # N changed: ELORA rescores (A10)
+                    continue
+                if item.is_evicted or item.children or item.lock_ref:
+                    continue
+                parent, dep = item.parent, item.depends_on
+                if self.on_evict_kv is not None:
+                    self.on_evict_kv(item)
+                c = self.counters
+                age_bucket = bisect_right(EVICTION_AGE_BOUNDS_S, now - item.last_access)
+                slots = self.tree.evict_leaf(item, free_kv)
+                if batch is not None:
+                    held += slots
+                c.kv_evicted_slots += slots
+                c.kv_evicted_slots_by_age[age_bucket] += slots
+                c.kv_evictions += 1
+                if parent.kind is _KV and not parent.children and parent.lock_ref == 0:
+                    order.push((int(parent.id in wanted_kv), score(parent, now), 0, parent.id, parent))
+                for adapter in (parent, dep):
+                    if adapter is not None and adapter.kind is _ADAPTER:
+                        name = adapter.label.identity
+                        if self._adapter_evictable(name, protect):
+                            order.push((int(name in wanted), score(self.records[name], now), 1, name, name))
+        finally:
+            if batch:
+                self.free_kv_many(batch)
         return pool.can_fit(num_slots) and (not run or pool.largest_free_run() >= run)
 
     def run_reachable(self, run: int, protect: str | None = None) -> bool:
