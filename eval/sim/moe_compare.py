@@ -95,6 +95,9 @@ class Setup:
     server_capacity: int  # adapters the server's GPUs hold (>= the planner's M*)
     server_x: int
     server_y: int
+    server_gpus: int  # the planner's count rounded up to a multiple of the EP degree (seed-infinilora 3.2)
+    instances: int  # the instances left beside it
+    max_batch: int = MAX_BATCH
 
     @property
     def adapter_bytes(self) -> int:
@@ -115,10 +118,10 @@ def server_shape(m: int) -> tuple[int, int]:
     return x, m // x
 
 
-def stage_profile(model: MoeModelSpec, hw: Hardware, p: np.ndarray, sizes=(1, 2, 4, 8, 12)) -> list:
-    """The planner's per-instance (recv, compute, send) per layer (both calls summed) at batch MAX_BATCH, from the
+def stage_profile(model: MoeModelSpec, hw: Hardware, p: np.ndarray, batch: int, sizes=(1, 2, 4, 8, 12)) -> list:
+    """The planner's per-instance (recv, compute, send) per layer (both calls summed) at batch `batch`, from the
     latency model (not profiled on hardware): tokens per adapter = B p_i (the expected batch)."""
-    lora = [(MAX_BATCH * pi, model.lora_rank, None, 0) for pi in p]
+    lora = [(batch * pi, model.lora_rank, None, 0) for pi in p]
     out = []
     for m in sizes:
         x, y = server_shape(m)
@@ -128,33 +131,40 @@ def stage_profile(model: MoeModelSpec, hw: Hardware, p: np.ndarray, sizes=(1, 2,
     return out
 
 
-def make_setup(model: MoeModelSpec, gpu: str, num_adapters: int) -> Setup:
+def make_setup(model: MoeModelSpec, gpu: str, num_adapters: int, max_batch: int = MAX_BATCH) -> Setup:
     hw = HARDWARE[gpu]
     p = planner.zipf_popularity(num_adapters, ZIPF_S)
     adapter_gb = model.adapter_bytes(model.lora_rank) / 1e9
     gpu_gb = hw.hbm_total_bytes * MEM_FRACTION / 1e9
-    plan = planner.provision(p, batch=MAX_BATCH, instances=TOTAL_GPUS // GPUS_PER_INSTANCE - 1, alpha=ALPHA,
-                             adapter_gb=adapter_gb, gpu_gb=gpu_gb, profile=stage_profile(model, hw, p),
+    plan = planner.provision(p, batch=max_batch, instances=TOTAL_GPUS // GPUS_PER_INSTANCE - 1, alpha=ALPHA,
+                             adapter_gb=adapter_gb, gpu_gb=gpu_gb, profile=stage_profile(model, hw, p, max_batch),
                              tpot_slo_s=TPOT_SLO_S, num_layers=model.num_layers, total_gpus=TOTAL_GPUS,
                              gpus_per_instance=GPUS_PER_INSTANCE)
-    capacity = min(num_adapters, plan.server_gpus * int(gpu_gb // adapter_gb))
-    x, y = server_shape(plan.server_gpus)
-    return Setup(model, gpu, hw, make_adapters(model, num_adapters), p, plan, capacity, x, y)
+    m = plan.server_gpus
+    if m > SERVER_X_MAX:  # "round up to a multiple of x" (seed-infinilora 3.2), x = GPUs per node
+        m = math.ceil(m / SERVER_X_MAX) * SERVER_X_MAX
+    instances = (TOTAL_GPUS - m) // GPUS_PER_INSTANCE
+    if instances < 1:
+        raise ValueError(f"a server of {m} GPUs leaves no instance in {TOTAL_GPUS}")
+    capacity = min(num_adapters, m * int(gpu_gb // adapter_gb))
+    x, y = server_shape(m)
+    return Setup(model, gpu, hw, make_adapters(model, num_adapters), p, plan, capacity, x, y, m, instances,
+                 max_batch)
 
 
 def run_arm(setup: Setup, arm: str, requests: list[Request], check: bool = False) -> list:
     """One arm on TOTAL_GPUS GPUs over `requests`; returns every instance's `SimRun`."""
-    cfg = SimConfig(chunk_tokens=10**9, max_running=MAX_BATCH, scan_limit=128, sample_period_s=1e9,
+    cfg = SimConfig(chunk_tokens=10**9, max_running=setup.max_batch, scan_limit=128, sample_period_s=1e9,
                     check_every_step=check)
     model, hw = setup.model, setup.hw
     if arm.startswith("infinilora"):
-        instances = setup.plan.instances
+        instances = setup.instances
         overlap = arm != "infinilora:+disagg"
         full = arm == "infinilora"
         load = ServerLoad(setup.server_y)
         base_lat = MoeLatencyModel(model=model, hw=hw, gpus=GPUS_PER_INSTANCE, lora_mode="remote",
                                    server_x=setup.server_x, server_y=setup.server_y, overlap=overlap, server=load)
-        server = LoraServer(setup.adapters, base_lat, setup.server_capacity, setup.plan.server_gpus,
+        server = LoraServer(setup.adapters, base_lat, setup.server_capacity, setup.server_gpus,
                             layerwise=full, prefetch=full)
 
         def make(i, ads, lat):
@@ -246,8 +256,8 @@ def write_report(out: Path, args, setups, sweeps, ablations, elapsed_s: float) -
                              + (" *" if m["ok"] else ""))
             lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
         plan = s.plan
-        lines += ["", f"InfiniLoRA's server (planner `provision`): " + "; ".join(plan.why) + f". The server's "
-                  f"{plan.server_gpus} GPU(s) hold {s.server_capacity} adapters (EP{s.server_x}-PP{s.server_y}); "
+        lines += ["", f"InfiniLoRA's server (planner `provision`): " + "; ".join(plan.why) + f". Rounded up "
+                  f"to a multiple of x: {s.server_gpus} GPU(s), {s.instances} instances; they hold {s.server_capacity} adapters (EP{s.server_x}-PP{s.server_y}); "
                   f"M* = {plan.cache.min_cached_adapters}.", ""]
         if key in ablations:
             rate, ab = ablations[key]
@@ -266,7 +276,7 @@ def write_report(out: Path, args, setups, sweeps, ablations, elapsed_s: float) -
 def pts_meta(s: Setup, arm: str) -> tuple[int, str]:
     """(instances, LoRA cache in adapters) of an arm."""
     if arm.startswith("infinilora"):
-        return s.plan.instances, f"{s.server_capacity} (server)"
+        return s.instances, f"{s.server_capacity} (server)"
     lat = MoeLatencyModel(model=s.model, hw=s.hw, gpus=GPUS_PER_INSTANCE)
     n = TOTAL_GPUS // GPUS_PER_INSTANCE
     pool = instance_pool_bytes(lat)
@@ -314,7 +324,8 @@ def ASSUMPTIONS(args, setups) -> list[str]:
         "(the paper's greedy balance); requests arriving in the first "
         f"{WARMUP_S:g} s are left out of the metrics; every request runs to completion.",
         f"- Decode only (the paper's TTFT): prefill elsewhere, a request's KV (prompt + output) reserved at "
-        f"admission; TTFT = queueing + the step that makes its first token; max batch {MAX_BATCH} per instance; "
+        f"admission; TTFT = queueing + the step that makes its first token; max batch {args.max_batch} per instance "
+        "(vLLM's default max_num_seqs; the paper's instances are vLLM); "
         f"admission scans at most 128 waiting requests per step.",
         f"- SLOs: P95 TTFT <= {TTFT_SLO_S} s and mean TPOT <= {TPOT_SLO_S} s over all requests; serviceable rate: "
         f"the highest swept rate meeting both (grid resolution, no interpolation); attainment: share of adapters "
@@ -357,11 +368,13 @@ def parse_args(argv):
     ap.add_argument("--models", default="mixtral,qwen3", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--gpus", default="h100", help=f"comma list of {', '.join(HARDWARE)}")
     ap.add_argument("--adapters", type=int, default=512, help="number of adapters (the paper's default 512)")
-    ap.add_argument("--rates", default="10,20,30,40,60,80,100,120",
+    ap.add_argument("--rates", default="10,20,30,40,50,60,70,80,100,120,140,160,200,240,280,320",
                     help="request rates to sweep (req/s), ascending")
     ap.add_argument("--duration-s", type=float, default=40.0, help="arrivals for this many simulated seconds")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     ap.add_argument("--no-ablation", action="store_true", help="skip the Fig 14 ablation")
+    ap.add_argument("--max-batch", type=int, default=MAX_BATCH, help="decode batch cap per instance (vLLM's "
+                    "default max_num_seqs, 256) and the planner's B")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -386,7 +399,7 @@ def main(argv=None) -> int:
     for model_key, gpu in keys:
         model = MODELS[model_key]
         key = (model.name, gpu)
-        setups[key] = s = make_setup(model, gpu, args.adapters)
+        setups[key] = s = make_setup(model, gpu, args.adapters, args.max_batch)
         sweeps[key] = {}
         for arm in arms:
             pts = sweeps[key][arm] = {}
