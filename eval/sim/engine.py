@@ -1,6 +1,7 @@
 """The event loop: continuous batching with chunked prefill over a simulated system, one step at a time.
 
-Lives here: `SimRun` (results + memory samples + summary), `simulate` and the loop, which is the `EngineView`
+Lives here: `SimRun` (results + memory samples + summary), `simulate`, `simulate_systems` (several instances
+side by side on one clock, for what they share: a LoRA server) and the loop, which is the `EngineView`
 (admission/base.py) the admission policies see. Not here: the run's settings (`config.py`; `SimConfig` is
 re-exported here), the systems' memory and cache decisions (`systems/`), the order waiting requests are examined in
 (`admission/`) or step costs (`latency.py`).
@@ -13,6 +14,9 @@ token per decoding request; the clock advances by the latency model's step time.
 still being copied in from a host KV tier (`SimRequest.ready_s`) is admitted but prefills only once the copy is
 done. When nothing can run, the clock jumps to the next arrival or copy.
 Every admitted request reserves KV for its whole prompt and output, so no request is ever preempted.
+With a latency model whose `decode_only` is true (moe_latency.py: prefill runs elsewhere and the prompt's KV arrives
+with the request), a request's "prefill" is the step that makes its first token: it adds one token to the step's
+batch and to its adapter's, and the latency model is told how many requests joined (`prefill_requests`).
 """
 
 from __future__ import annotations
