@@ -435,7 +435,8 @@ def plot(out: Path, sweeps) -> Path | None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m eval.sim.moe_compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mixtral,qwen3", help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--gpus", default="h100,h200,h20", help=f"comma list of {', '.join(HARDWARE)} (h20: the paper's GPU)")
+    ap.add_argument("--gpus", default="h100,h200,h20",
+                    help=f"comma list of {', '.join(HARDWARE)} (h20: the paper's GPU)")
     ap.add_argument("--adapters", type=int, default=512, help="number of adapters (the paper's default 512)")
     ap.add_argument("--rates", default="10,20,30,40,50,60,70,80,100,120,140,160,200,240,280,320",
                     help="request rates to sweep (req/s), ascending")
