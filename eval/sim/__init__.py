@@ -4,7 +4,9 @@ Lives here: the latency model (`latency.py`), memory accounting (`memory.py`), E
 (`hostkv.py`), token sequences of a workload (`tokens.py`), the event loop with continuous batching
 (`engine.py`), the compared systems (`systems/`), admission policies (`admission/`: fcfs, lpm and the real
 `sgl_multilora.sched.MultiQueueScheduler`), the ELORA-style experiment (`compare.py`) and Chameleon's scheduling
-comparison (`sched_compare.py`). The systems drive the project's own core objects
+comparison (`sched_compare.py`), and the MoE-scale comparison of InfiniLoRA's disaggregated LoRA server against
+coupled serving (`moe_compare.py`; its latency model `moe_latency.py`, its systems `systems/moe.py`, several
+instances on one clock through `engine.simulate_systems`). The systems drive the project's own core objects
 (`sgl_multilora.tree.LoraRadixTree`, `sgl_multilora.policy`); nothing here imports sglang.
 
 Entry point for other tools: `eval.sim.engine.simulate(arm, adapters, requests, experiment=...)` returns a

@@ -1,6 +1,7 @@
 """The event loop: continuous batching with chunked prefill over a simulated system, one step at a time.
 
-Lives here: `SimRun` (results + memory samples + summary), `simulate` and the loop, which is the `EngineView`
+Lives here: `SimRun` (results + memory samples + summary), `simulate`, `simulate_systems` (several instances
+side by side on one clock, for what they share: a LoRA server) and the loop, which is the `EngineView`
 (admission/base.py) the admission policies see. Not here: the run's settings (`config.py`; `SimConfig` is
 re-exported here), the systems' memory and cache decisions (`systems/`), the order waiting requests are examined in
 (`admission/`) or step costs (`latency.py`).
@@ -13,6 +14,9 @@ token per decoding request; the clock advances by the latency model's step time.
 still being copied in from a host KV tier (`SimRequest.ready_s`) is admitted but prefills only once the copy is
 done. When nothing can run, the clock jumps to the next arrival or copy.
 Every admitted request reserves KV for its whole prompt and output, so no request is ever preempted.
+With a latency model whose `decode_only` is true (moe_latency.py: prefill runs elsewhere and the prompt's KV arrives
+with the request), a request's "prefill" is the step that makes its first token: it adds one token to the step's
+batch and to its adapter's, and the latency model is told how many requests joined (`prefill_requests`).
 """
 
 from __future__ import annotations
@@ -72,6 +76,47 @@ def simulate(arm: str, adapters, requests, experiment: str = "sim", lat: Latency
     return _Loop(system, reqs, lat, config, experiment).run()
 
 
+def simulate_systems(entries, config: SimConfig = SimConfig(), experiment: str = "sim",
+                     on_clock=None, alora_invocation_tokens: int = ALORA_INVOCATION_TOKENS) -> list[SimRun]:
+    """Runs several instances side by side on one clock: `entries` are (system, adapters, requests, latency
+    model), each instance its own loop over its own requests; the loop whose clock is earliest runs its next
+    iteration (ties: the one that ran least recently), so what they share (a LoRA server: systems/moe.py) sees
+    their steps in time order. `on_clock(now)` is called before each iteration (the shared objects' clock).
+    Deterministic. Returns one `SimRun` per entry."""
+    loops = []
+    for system, adapters, requests, lat in entries:
+        reqs = _sim_requests(tuple(adapters), tuple(requests), alora_invocation_tokens)
+        loops.append(_Loop(system, reqs, lat, config, experiment))
+    gens = [loop.steps() for loop in loops]
+    heap = [(0.0, i, i) for i in range(len(loops))]
+    heapq.heapify(heap)
+    seq = len(loops)
+
+    def external_next(me: int):
+        def nxt(now: float) -> float | None:
+            later = [loops[j].now for j in live if j != me and loops[j].now > now]
+            if later:
+                return min(later)
+            return now + 1e-3 if any(j != me for j in live) else None  # others at the same time: poll
+        return nxt
+
+    live = set(range(len(loops)))
+    for i, loop in enumerate(loops):
+        loop.external_next = external_next(i)
+    while heap:
+        now, _, i = heapq.heappop(heap)
+        if on_clock is not None:
+            on_clock(now)
+        try:
+            t = next(gens[i])
+        except StopIteration:
+            live.discard(i)
+            continue
+        seq += 1
+        heapq.heappush(heap, (t, seq, i))
+    return [loop.finish_run() for loop in loops]
+
+
 class _Loop:
     """Decoding requests are kept as aggregates (count, context sum, adapters in use) and a heap of the step
     at which each finishes, so a step costs O(prefilling + finishing requests), not O(running)."""
@@ -102,13 +147,29 @@ class _Loop:
         self.done: list[SimRequest] = []
         self.num_slot_skips = 0  # admissions passed over for SGLang's per-batch adapter cap
         self.num_retracted = 0
+        self.external_next = None  # set by simulate_systems (steps())
+        self.decode_only = getattr(lat, "decode_only", False)  # moe_latency: prefill runs elsewhere
+        self.now = 0.0
 
     @property
     def num_running(self) -> int:
         return len(self.prefilling) + self.num_decoding
 
     def run(self) -> SimRun:
+        for _ in self.steps():
+            pass
+        return self.finish_run()
+
+    def finish_run(self) -> SimRun:
+        return SimRun(self.system.name, [self._result(sr) for sr in self.done], self.samples, self._summary(),
+                      self.system, self.admission)
+
+    def steps(self):
+        """The loop, one iteration at a time: yields the clock after each (a step run, or a jump to the next
+        event). `external_next(now)`, when set (`simulate_systems`), gives the time another instance may change
+        this one's state (a shared LoRA server), so waiting there is not a deadlock."""
         system, now = self.system, 0.0
+        self.now = now
         next_sample = 0.0
         while True:
             system.tick(now)
@@ -125,6 +186,9 @@ class _Loop:
             if dt == 0.0:
                 nxt = [t for t in (self.arrivals[0][0] if self.arrivals else None, system.next_event_s())
                        if t is not None]
+                if not nxt and (self.waiting or self.num_running) and self.external_next is not None:
+                    ext = self.external_next(now)
+                    nxt = [ext] if ext is not None else []
                 if not nxt:
                     if self.waiting or self.num_running:
                         head = (self.waiting or self.prefilling)[0].req.rid
@@ -132,6 +196,8 @@ class _Loop:
                                            f"adapter does not fit in the pool)")
                     break
                 now = max(now, min(nxt))
+                self.now = now
+                yield now
                 continue
             system.usage.record_batch(now, self.num_running)
             self.num_steps += 1
@@ -143,8 +209,8 @@ class _Loop:
                 system.check_invariants()
                 self._check_aggregates()
                 self.admission.check_invariants(self.waiting)
-        return SimRun(system.name, [self._result(sr) for sr in self.done], self.samples, self._summary(),
-                      system, self.admission)
+            self.now = now
+            yield now
 
     def _admit(self, now: float) -> None:
         cfg, system, policy = self.cfg, self.system, self.admission
@@ -196,12 +262,16 @@ class _Loop:
             prefill.append((sr, n))
             pairs += n * sr.computed + n * (n + 1) / 2
             name = sr.req.adapter
-            if name is not None:
-                lora[name] = lora.get(name, 0) + n
+            if name is not None:  # decode only: a joining request adds its first token, not its prompt
+                lora[name] = lora.get(name, 0) + (1 if self.decode_only else n)
         num_prefill = sum(n for _, n in prefill)
         specs, weight_bytes = self.system.lora_specs, self.system.weight_bytes
         batch = [(n, *specs[name], weight_bytes[name]) for name, n in lora.items()]
-        dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, batch)
+        if self.decode_only:
+            dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, batch,
+                                    prefill_requests=len(prefill))
+        else:
+            dt = self.lat.step_time(num_prefill, pairs, self.num_decoding, self.decode_ctx, batch)
         if dt:
             dt += self.system.take_stall()
         return dt, prefill

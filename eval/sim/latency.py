@@ -87,6 +87,18 @@ class Hardware:
     hbm_total_bytes: int = 81_559 * 2**20
 
 
+H100_SXM = Hardware()
+"""An H100 SXM 80 GB (the defaults above)."""
+H200_SXM = Hardware(hbm_bytes_per_s=4.8e12, hbm_total_bytes=143_771 * 2**20)
+"""An H200 SXM 141 GB: HBM3e 4.8 TB/s and 141 GB (NVIDIA's H200 datasheet; nvidia-smi shows 143,771 MiB), the same
+Hopper compute as the H100 SXM (989.5 TFLOP/s bf16 dense); PCIe 5 and the efficiencies as the H100's."""
+H20 = Hardware(hbm_bytes_per_s=4.0e12, peak_flops=148e12, hbm_total_bytes=97_871 * 2**20)
+"""An H20 96 GB, the InfiniLoRA paper's testbed GPU (seed-infinilora.md 5.1: "Hopper GPUs (96 GB)", 4.0 TB/s HBM):
+148 TFLOP/s bf16 dense (NVIDIA's H20 figure, outside the paper). Used only to check the MoE model against the
+paper's Tab 4 (eval/sim/moe_latency.py)."""
+HARDWARE = {"h100": H100_SXM, "h200": H200_SXM, "h20": H20}
+
+
 LoRABatch = Sequence[tuple[int, int, frozenset[str], int]]
 """A step's adapters: (tokens, rank, module groups targeted, weight bytes) each (eval/sim/lora_cost.py GROUPS)."""
 
