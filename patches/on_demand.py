@@ -7,11 +7,11 @@ validates against the model and hashes it again, `lora_transformers.load_lora_ad
 SGLang's own `load_lora_adapter`, so the request waits for its adapter while every other request is served. First
 requests for one adapter that arrive together share one load; a failed load is not remembered (the next request
 tries again). A name no source holds, or one with path syntax, gets HTTP 400 naming it, as does an adapter larger than
-the whole host budget. Host tier: with
-`--multilora-host-adapter-gb`, after each load (on demand or through `/load_lora_adapter`: the load hook of
-`adapter_paths.py` asks `fit_host_budget`) the least recently used host copies not in use and not pinned are
-unloaded until the rest fit (a source adapter comes back from its source on its next request, read again: changed
-files are a new identity). Without sources, unknown names are refused with a message that, unlike SGLang's, does not
+the whole host budget. Host tier: with `--multilora-host-adapter-gb`, after each load (on demand or through
+`/load_lora_adapter`: the load hook of `adapter_paths.py` asks `fit_host_budget`) the least recently used host copies
+not in use and not pinned are unloaded until the rest fit; copies that had to stay because they were in use go once
+their requests release them (`release_lora_once`). A source adapter comes back from its source on its next request,
+read again: changed files are a new identity. Without sources, unknown names are refused with a message that, unlike SGLang's, does not
 list every other adapter's name.
 
 `unload_lora_adapter` (around the public `/unload_lora_adapter`): an adapter a user unloads is forgotten, so SGLang
@@ -61,6 +61,8 @@ class OnDemand:
         self._sizes: dict[str, int] = {}  # name -> weight file bytes, for every adapter loaded through here
         self._from_source: set[str] = set()
         self.wanted: Counter[str] = Counter()  # names of requests between resolution and SGLang's acquire
+        self.over_budget = False  # the last fit left more than the budget (what it could not drop was in use)
+        self._refit: asyncio.Future | None = None
 
     # ---- loading ----------------------------------------------------------------------------------------------
 
@@ -150,6 +152,7 @@ class OnDemand:
 
         async with tm.lora_update_lock:
             order, sizes = self.host_view(tm)
+            left = sum(sizes.values())
             for name in choose_drops(order, sizes, self.host_budget, must_stay):
                 result = await tm._unload_lora_adapter_locked(UnloadLoRAAdapterReqInput(lora_name=name))
                 if not result.success:
@@ -157,9 +160,25 @@ class OnDemand:
                                    result.error_message)
                     continue
                 self.stats.drops += 1
+                left -= sizes.get(name, 0)
                 if name in self._from_source:
                     tm.lora_ref_cache.pop(name, None)  # read again from its source next time
                 logger.info("sgl_multilora: dropped adapter %s's host copy (--multilora-host-adapter-gb)", name)
+            self.over_budget = left > self.host_budget
+
+    def after_release(self, tm, release: asyncio.Task | None) -> None:
+        """A request released its adapter (`release`: SGLang's release task). While the last fit left the host tier
+        over its budget (copies in use could not be dropped), one fit is scheduled once the release is done, so an
+        idle server returns within its budget; releases while one is pending share it."""
+        if not self.over_budget or (self._refit is not None and not self._refit.done()):
+            return
+
+        async def refit() -> None:
+            if release is not None:
+                await release
+            await self.fit_host_budget(tm, keep=set())
+
+        self._refit = asyncio.ensure_future(refit())
 
     def forget(self, name: str) -> None:
         self._from_source.discard(name)
@@ -191,6 +210,15 @@ def state(tm) -> OnDemand | None:
                       int(args.host_adapter_gb * 1e9) if args.host_adapter_gb else None)
         tm._multilora_on_demand = od
     return od
+
+
+def release_lora_once(result, self, req_state, *args, **kwargs):
+    """AFTER `TokenizerManager._release_lora_once(state)`: the host tier's budget is applied again once a request's
+    adapter is released, if the last fit had to leave copies in use over it."""
+    od = state(self)
+    if od is not None and od.host_budget is not None:
+        od.after_release(self, result)
+    return result
 
 
 def _names(obj) -> set[str]:
